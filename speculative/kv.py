@@ -1,0 +1,117 @@
+"""A causal LM's KV cache for a batch whose rows advance by different amounts.
+
+Rows of one batch accept different numbers of draft tokens each round, but a Hugging Face
+`DynamicCache` holds one slot count for the whole batch. `KVState` keeps a validity mask beside the
+cache, one entry per slot and row:
+
+- new tokens are appended for every row at once; a row that has fewer real tokens this step fills the
+  rest with masked slots ("holes");
+- rolling back a row marks its rejected slots invalid, so they are never attended to again; the prefix
+  is never re-encoded;
+- slots that are invalid in every row at the end of the cache are cropped away, and when holes fill
+  more than half of a long cache the rows are compacted (valid slots packed to the right, in order).
+
+Position ids count only valid slots, so rotary positions are those of the unpadded sequence, and a row
+computes the same logits in any batch as alone (up to floating-point reduction order).
+Supported: models whose cache is made of full-attention `DynamicLayer`s (Llama, Mistral, Qwen2/3,
+SmolLM, GPT-NeoX style models ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from draftsmith.speculative.errors import InvalidInputError
+
+COMPACT_MIN_SLOTS = 64  # below this, holes cost less than a compaction copy
+
+
+class KVState:
+    def __init__(self, model, batch_size: int, device: torch.device | str):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.device = torch.device(device)
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)  # [B, L] valid slots
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B] valid slots per row
+        self._checked_layout = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64; entries at invalid slots may be any id
+        valid: torch.Tensor,  # [B, T] bool
+        *,
+        logits_to_keep: int = 0,  # 0 = logits for all T slots
+        output_hidden_states: bool = False,
+    ):
+        """Run the model on T new slots per row and append them to the cache."""
+        positions = self.lengths[:, None] + valid.long().cumsum(dim=1) - 1
+        positions = positions.clamp(min=0)  # holes before a row's first token
+        full_mask = torch.cat([self.mask, valid], dim=1)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=full_mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            output_hidden_states=output_hidden_states,
+        )
+        self.mask = full_mask
+        self.lengths = self.lengths + valid.sum(dim=1)
+        if not self._checked_layout:
+            self._check_layout()
+        return out
+
+    def keep_last(self, keep: torch.Tensor) -> None:  # keep: [B, T] bool over the last T slots
+        """Roll back: of the last T slots, only those marked in `keep` stay valid."""
+        width = keep.shape[1]
+        tail = self.mask[:, -width:]
+        dropped = (tail & ~keep).sum(dim=1)
+        self.mask[:, -width:] = tail & keep
+        self.lengths = self.lengths - dropped
+        self._trim()
+
+    def select_rows(self, rows: torch.Tensor) -> None:  # rows: [B'] int64 indices of rows to keep
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.lengths = self.lengths[rows]
+        self._trim()
+
+    def _trim(self) -> None:
+        any_valid = self.mask.any(dim=0)  # [L]
+        total = any_valid.shape[0]
+        last_valid = int(any_valid.nonzero().max()) + 1 if bool(any_valid.any()) else 0
+        if last_valid < total:
+            self.cache.crop(-(total - last_valid))
+            self.mask = self.mask[:, :last_valid]
+        slots = self.mask.shape[1]
+        if slots >= COMPACT_MIN_SLOTS and int(self.lengths.max()) * 2 < slots:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Pack each row's valid slots to the right end, keeping their order (positions are unchanged)."""
+        width = int(self.lengths.max())
+        # A stable sort on validity puts a row's invalid slots first and its valid slots after, in order.
+        order = torch.sort(self.mask.to(torch.int8), dim=1, stable=True).indices[:, -width:]  # [B, width]
+        self.mask = self.mask.gather(1, order)
+        for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+
+    def _check_layout(self) -> None:
+        unsupported = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if unsupported:
+            raise InvalidInputError(
+                f"{type(self.model).__name__} uses cache layers {sorted(unsupported)}; draftsmith's runtime "
+                "supports full-attention models (DynamicLayer caches) only"
+            )
+        self._checked_layout = True

@@ -1,0 +1,231 @@
+"""Drafters ("proposers"): what the runtime asks each round for up to D draft tokens.
+
+A proposer sees the runtime through four calls:
+
+    begin(prompts, sampling, rng)      once, before the first round (prefill its own state)
+    propose(ctx, draft_len) -> Draft   each round: tokens [B, D], per-row lengths, and q (or None)
+    commit(num_accepted, emitted)      each round, after verification: roll back to the accepted prefix
+    select_rows(rows)                  when finished rows leave the batch
+
+`RoundContext.target_hidden` carries the target's last hidden state at the position that produced the
+newest token, for drafters that read it (Medusa-style heads); a proposer that wants it sets
+`needs_target_hidden = True`. A proposer that drafts deterministically (prompt lookup, heads taking
+their top token) returns `probs=None`, which the verifier treats as a one-hot q: that is exact under
+sampling too, since a deterministic draft is accepted with probability p(token).
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftsmith.speculative.errors import InvalidInputError, NumericalError
+from draftsmith.speculative.kv import KVState
+from draftsmith.speculative.rng import RowGenerators
+from draftsmith.speculative.sampling import BatchSampling, processed_probs, race_sample
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, D] int64; entries at or past `lens` are padding (any valid id)
+    lens: torch.Tensor  # [B] int64 in 0..D
+    probs: torch.Tensor | None  # [B, D, V] draft distribution q after the shared processing; None = one-hot
+
+    @classmethod
+    def empty(cls, batch: int, device) -> "Draft":
+        zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+        return cls(torch.zeros(batch, 0, dtype=torch.int64, device=device), zeros, None)
+
+
+@dataclass
+class RoundContext:
+    history: list[list[int]]  # per row: prompt + emitted tokens; the last one is not yet in the target's cache
+    max_lens: list[int]  # per row: most tokens it may draft this round (<= draft_len)
+    sampling: BatchSampling
+    rng: RowGenerators
+    target_hidden: torch.Tensor | None = None  # [B, H] hidden state that produced history[b][-1]
+
+
+class Proposer(ABC):
+    name: str = "proposer"
+    needs_target_hidden: bool = False
+
+    def begin(self, prompts: list[list[int]], sampling: BatchSampling, rng: RowGenerators) -> None:
+        """Called once per `generate` call before the first round."""
+
+    @abstractmethod
+    def propose(self, ctx: RoundContext, draft_len: int) -> Draft: ...
+
+    def commit(self, num_accepted: list[int], emitted: list[list[int]]) -> None:
+        """emitted[b]: the tokens row b emitted this round (accepted drafts + recovered/bonus)."""
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these rows (indices into the current batch)."""
+
+
+class DraftModelProposer(Proposer):
+    """An independent causal LM with the target's tokenizer and its own KV cache, drafting autoregressively."""
+
+    name = "draft-lm"
+
+    def __init__(self, model: nn.Module, device: torch.device | str | None = None):
+        self.model = model
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.kv: KVState | None = None
+        self.pending: list[list[int]] = []  # per row: emitted tokens not yet in the draft cache
+        self._fed_drafts = 0  # draft tokens appended to the cache by the last propose
+
+    def begin(self, prompts, sampling, rng):
+        self.kv = KVState(self.model, len(prompts), self.device)
+        context = [p[:-1] for p in prompts]
+        if max(len(c) for c in context) > 0:
+            tokens, valid = left_pad(context, self.device)
+            self.kv.forward(tokens, valid, logits_to_keep=1)
+        self.pending = [[p[-1]] for p in prompts]
+        self._fed_drafts = -1  # nothing proposed yet
+
+    def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
+        batch = len(self.pending)
+        draft_len = min(draft_len, max(ctx.max_lens))
+        if draft_len == 0:
+            self._fed_drafts = -1
+            return Draft.empty(batch, self.device)
+        sampled = ~ctx.sampling.greedy
+        any_sampled = bool(sampled.any())
+        tokens, valid = left_pad(self.pending, self.device)
+        drafts, probs = [], []
+        for step in range(draft_len):
+            logits = self.kv.forward(tokens, valid, logits_to_keep=1).logits[:, -1:]  # [B, 1, V]
+            if bool(torch.isnan(logits).any()):
+                raise NumericalError("the drafter produced NaN logits; check its weights and dtype")
+            token = logits[:, 0].argmax(dim=-1)  # greedy rows; lowest index on ties
+            if any_sampled:
+                q = processed_probs(logits, ctx.sampling)[:, 0]  # [B, V]
+                draw = [bool(s) and step < m for s, m in zip(sampled.tolist(), ctx.max_lens)]
+                token = torch.where(sampled, race_sample(q, ctx.rng.exponential(draw, q.shape[-1])), token)
+                probs.append(q)
+            drafts.append(token)
+            if step < draft_len - 1:  # the last draft token is never fed: the target verifies it
+                tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=self.device)
+        self._fed_drafts = draft_len - 1
+        lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
+        return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None)
+
+    def commit(self, num_accepted, emitted):
+        if self._fed_drafts < 0:  # no draft this round: the pending tokens were not fed either
+            self.pending = [p + e for p, e in zip(self.pending, emitted)]
+            return
+        fed = self._fed_drafts
+        if fed > 0:
+            keep = torch.arange(fed, device=self.device)[None, :] < torch.tensor(num_accepted, device=self.device)[:, None]
+            self.kv.keep_last(keep)
+        # Emitted tokens beyond the kept draft slots (the recovered/bonus token, and the last draft
+        # token when all were accepted) are fed at the start of the next round.
+        self.pending = [e[min(n, fed):] for n, e in zip(num_accepted, emitted)]
+
+    def select_rows(self, rows):
+        self.kv.select_rows(rows)
+        self.pending = [self.pending[i] for i in rows.tolist()]
+
+
+class EarlyExitProposer(DraftModelProposer):
+    """Training-free self-speculative drafter: the target's first N layers, its final norm and lm_head.
+
+    The layers share the target's weights (no copy); the drafter keeps its own KV cache.
+    """
+
+    name = "early-exit"
+
+    def __init__(self, target: nn.Module, num_layers: int):
+        super().__init__(truncated_model(target, num_layers))
+        self.num_layers = num_layers
+
+
+def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
+    """A view of a decoder-only HF model keeping its first `num_layers` layers (weights shared)."""
+    decoder = model.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise InvalidInputError(f"early-exit needs a decoder with a `.layers` list; {type(model).__name__} has none")
+    total = len(layers)
+    if not 1 <= num_layers < total:
+        raise InvalidInputError(f"early-exit:N needs 1 <= N < {total} (the target's layer count), got {num_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[:num_layers]
+    short_decoder = _shallow_module_copy(decoder)
+    short_decoder.layers = nn.ModuleList(list(layers)[:num_layers])
+    short_decoder.config = config
+    shell = _shallow_module_copy(model)
+    setattr(shell, _decoder_attribute(model, decoder), short_decoder)
+    shell.config = config
+    return shell
+
+
+def _decoder_attribute(model: nn.Module, decoder: nn.Module) -> str:
+    for name, child in model.named_children():
+        if child is decoder:
+            return name
+    raise InvalidInputError(f"cannot locate the decoder module of {type(model).__name__}")
+
+
+def _shallow_module_copy(module: nn.Module) -> nn.Module:
+    """A new module object sharing parameters and submodules, whose own submodule table can change."""
+    new = copy.copy(module)
+    new._modules = dict(module._modules)
+    new._parameters = dict(module._parameters)
+    new._buffers = dict(module._buffers)
+    return new
+
+
+class NGramProposer(Proposer):
+    """Prompt-lookup decoding: find the latest earlier occurrence of the context's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it. Training-free,
+    deterministic (q is one-hot)."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise InvalidInputError(f"ngram sizes need 1 <= min <= max, got min={min_ngram} max={max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
+        device = ctx.sampling.temperature.device
+        rows = [self.lookup(h, min(draft_len, m)) for h, m in zip(ctx.history, ctx.max_lens)]
+        width = max((len(r) for r in rows), default=0)
+        if width == 0:
+            return Draft.empty(len(rows), device)
+        tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        return Draft(tokens.to(device), lens.to(device), None)
+
+    def lookup(self, history: list[int], count: int) -> list[int]:
+        if count <= 0:
+            return []
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            suffix = history[-n:]
+            # Latest earlier match first: recent context predicts the continuation best.
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == suffix:
+                    return history[start + n : start + n + count]
+        return []
+
+
+def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T] token ids and validity mask, rows aligned to the right (holes on the left)."""
+    width = max(len(r) for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if r:
+            tokens[b, width - len(r) :] = torch.tensor(r, dtype=torch.int64)
+            valid[b, width - len(r) :] = True
+    return tokens.to(device), valid.to(device)
