@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from draftsmith.speculative.errors import InvalidInputError
 
 COMPACT_MIN_SLOTS = 64  # below this, holes cost less than a compaction copy
+COMPACT_WASTE = 0.5  # compact once holes would be more than this share of the slots after packing
 
 
 class KVState:
@@ -91,7 +92,7 @@ class KVState:
             self.cache.crop(-(total - last_valid))
             self.mask = self.mask[:, :last_valid]
         slots = self.mask.shape[1]
-        if slots >= COMPACT_MIN_SLOTS and int(self.lengths.max()) * 2 < slots:
+        if slots >= COMPACT_MIN_SLOTS and slots - int(self.lengths.max()) > COMPACT_WASTE * slots:
             self._compact()
 
     def _compact(self) -> None:

@@ -180,6 +180,9 @@ def _shallow_module_copy(module: nn.Module) -> nn.Module:
     new._modules = dict(module._modules)
     new._parameters = dict(module._parameters)
     new._buffers = dict(module._buffers)
+    for name, value in vars(module).items():  # hooks registered on the original must not fire on the view
+        if name.endswith("hooks") and isinstance(value, dict):
+            setattr(new, name, type(value)(value))
     return new
 
 

@@ -11,7 +11,7 @@ Terms, used the same way everywhere in draftsmith:
   it lies in 1 .. D_b + 1.
 
 Sampled rows follow Leviathan et al. 2023 / Chen et al. 2023: token i is accepted when u_i * q_i < p_i
-(no division, so q_i = 0 never accepts and p_i = 0 always rejects). Greedy rows (temperature 0) accept
+and q_i > 0 (no division; q_i = 0 never accepts, p_i = 0 always rejects). Greedy rows (temperature 0) accept
 while the draft token equals the target's argmax (lowest index on ties). When the residual
 max(0, p - q) sums to zero (p == q up to rounding) the recovered token is sampled from p instead, which
 keeps it a valid id < V.
@@ -95,7 +95,10 @@ def verify_native(
         q_draft = draft_probs.float().gather(-1, safe_tokens[..., None]).squeeze(-1)  # [B, D]
 
     target_argmax = target_logits.argmax(dim=-1)  # [B, D+1]
-    accept = torch.where(greedy[:, None], safe_tokens == target_argmax[:, :-1], accept_u * q_draft < p_draft)
+    # q > 0 as well: a token with q = 0 cannot have been drawn from q (padding, a corrupt draw), and
+    # refusing it changes no distribution.
+    sampled_accept = (accept_u * q_draft < p_draft) & (q_draft > 0)
+    accept = torch.where(greedy[:, None], safe_tokens == target_argmax[:, :-1], sampled_accept)
     accept &= live
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B] length of the accepted prefix
 
