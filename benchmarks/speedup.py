@@ -1,0 +1,163 @@
+"""Speculative decoding speed on the embedded target, side by side in one run.
+
+    python benchmarks/speedup.py [--drafter early-exit:10] [--prompts N] [--reps 3] [--json out.json]
+
+Batch 1, greedy, 128 new tokens, chat prompts from ../shared/data/eval_prompts/vicuna_bench.jsonl spread
+over its categories. Each system decodes every prompt; a repetition is one pass over all prompts, and the
+table reports the median over repetitions of total tokens / total seconds:
+
+- `hf generate`: the target's own `generate`, no drafter (the baseline);
+- `hf assisted D=k`: Hugging Face assisted generation with the same drafter as `assistant_model`, a
+  constant k draft tokens per round (confidence-based early stopping off), and its default heuristic
+  schedule;
+- `draftsmith D=k`: draftsmith's runtime with the same drafter.
+
+AL is tokens per target pass; for HF it comes from the number of target forward passes, counted with a
+hook. The outputs of every system are checked token for token against the baseline's greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
+from draftsmith.speculative.proposers import DraftModelProposer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval_prompts" / "vicuna_bench.jsonl"
+
+
+def load_prompts(path: Path, count: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    step = max(len(rows) // count, 1)  # spread over the file, which is grouped by category
+    return [rows[i]["turns"][0] for i in range(0, len(rows), step)][:count]
+
+
+class PassCounter:
+    """Counts the target's forward passes (prefill included) through a pre-forward hook."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+
+def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="constant"):
+    outputs, tokens, passes = [], 0, 0
+    counter = PassCounter(model)
+    kwargs = {}
+    if assistant is not None:
+        assistant.generation_config.num_assistant_tokens = draft_len or 20
+        assistant.generation_config.num_assistant_tokens_schedule = schedule
+        assistant.generation_config.assistant_confidence_threshold = 0.0 if schedule == "constant" else 0.4
+        kwargs["assistant_model"] = assistant
+    start = time.perf_counter()
+    for ids in prompts:
+        x = torch.tensor([ids], device=model.device)
+        before = counter.count
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=model.generation_config.pad_token_id, **kwargs)
+        new = out[0, len(ids):].tolist()
+        outputs.append(new)
+        tokens += len(new)
+        passes += counter.count - before - 1  # minus the prefill
+    elapsed = time.perf_counter() - start
+    counter.handle.remove()
+    return outputs, tokens / elapsed, tokens / max(passes, 1)
+
+
+def time_draftsmith(decoder, prompts, max_new, draft_len):
+    outputs, tokens, rounds = [], 0, 0
+    start = time.perf_counter()
+    for ids in prompts:
+        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len)
+        outputs.append(result.tokens[0])
+        tokens += result.stats.new_tokens
+        rounds += result.stats.rounds
+    elapsed = time.perf_counter() - start
+    return outputs, tokens / elapsed, tokens / max(rounds, 1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--drafter", default="early-exit:10", help="a draft LM directory or early-exit:N")
+    parser.add_argument("--prompts-file", type=Path, default=SHARED)
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-lens", default="2,4")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+
+    target = load_model(args.target)
+    proposer = build_proposer(args.drafter, target)
+    if not isinstance(proposer, DraftModelProposer):
+        sys.exit("speedup.py compares against HF assisted generation, which needs a draft model (not ngram)")
+    assistant = proposer.model
+    texts = load_prompts(args.prompts_file, args.prompts)
+    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
+    stops = stop_token_ids(target.model, target.tokenizer)
+    target.model.generation_config.eos_token_id = stops
+    decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
+    plain_decoder = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
+    draft_lens = [int(x) for x in args.draft_lens.split(",")]
+
+    systems = {"hf generate": lambda: time_hf(target.model, prompts, args.max_new_tokens),
+               "draftsmith plain": lambda: time_draftsmith(plain_decoder, prompts, args.max_new_tokens, 0)}
+    for d in draft_lens:
+        systems[f"hf assisted D={d}"] = lambda d=d: time_hf(target.model, prompts, args.max_new_tokens, assistant, d)
+    systems["hf assisted heuristic"] = lambda: time_hf(target.model, prompts, args.max_new_tokens, assistant,
+                                                       schedule="heuristic")
+    for d in draft_lens:
+        systems[f"draftsmith D={d}"] = lambda d=d: time_draftsmith(decoder, prompts, args.max_new_tokens, d)
+
+    results = {name: [] for name in systems}
+    reference = None
+    with torch.inference_mode():
+        for rep in range(args.reps):
+            for name, fn in systems.items():
+                outputs, tps, al = fn()
+                if reference is None:
+                    reference = outputs
+                exact = sum(o == r for o, r in zip(outputs, reference))
+                results[name].append((tps, al, exact))
+                print(f"rep {rep + 1}/{args.reps} {name:24s} {tps:7.2f} tok/s  AL {al:.2f}  exact {exact}/{len(prompts)}",
+                      file=sys.stderr, flush=True)
+
+    base = statistics.median(r[0] for r in results["hf generate"])
+    rows = []
+    for name, runs in results.items():
+        tps = statistics.median(r[0] for r in runs)
+        rows.append({"system": name, "tokens_per_s": tps, "acceptance_length": runs[0][1],
+                     "speedup_vs_hf_generate": tps / base, "exact_outputs": f"{min(r[2] for r in runs)}/{len(prompts)}"})
+    print(f"\ntarget {target.name}, drafter {args.drafter}, {len(prompts)} prompts, batch 1, greedy, "
+          f"{args.max_new_tokens} new tokens, median of {args.reps}, {torch.get_num_threads()} threads")
+    print(f"{'system':26s} {'tok/s':>8s} {'AL':>6s} {'speedup':>8s} {'exact':>7s}")
+    for r in rows:
+        print(f"{r['system']:26s} {r['tokens_per_s']:8.2f} {r['acceptance_length']:6.2f} "
+              f"{r['speedup_vs_hf_generate']:7.2f}x {r['exact_outputs']:>7s}")
+    for d in draft_lens:
+        ours = next(r for r in rows if r["system"] == f"draftsmith D={d}")
+        hf = next(r for r in rows if r["system"] == f"hf assisted D={d}")
+        print(f"draftsmith / hf assisted at D={d}: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"prompts_file": str(args.prompts_file),
+                                                                    "json": str(args.json)}, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

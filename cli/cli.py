@@ -1,0 +1,37 @@
+"""The `draftsmith` command: one subcommand per workflow, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftsmith import __version__
+from draftsmith.speculative.errors import DraftsmithError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draftsmith import generate_cmd
+
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (generate_cmd,):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except DraftsmithError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Options and helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from draftsmith.speculative.errors import InvalidInputError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None,
+                        help="target model: a local HF directory, a .gguf file, a hub id, or "
+                             "smollm2-135m-instruct (the embedded default, used when omitted)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="weights dtype; auto = float32 on CPU, bfloat16 on CUDA")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InvalidInputError(f"unknown device '{name}'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device '{name}' asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
