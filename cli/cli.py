@@ -20,9 +20,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_libraries() -> None:
+    """Keep stdout/stderr for draftsmith's own output: no per-load progress bars or advisory warnings."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet_libraries()
     try:
         return int(args.run(args) or 0)
     except DraftsmithError as err:

@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
 class TextStream:
     """Prints decoded text as tokens arrive, holding back an incomplete multi-byte character."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out or sys.stdout
         self.ids: list[int] = []
         self.printed = 0
 
