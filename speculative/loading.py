@@ -3,6 +3,8 @@
 A model spec is one of, tried in this order:
 
     None or "smollm2-135m-instruct"  the embedded default (see embedded.py), loaded as a GGUF
+    tiny:SEED[:LAYERS]                a tiny random Llama with a byte-level tokenizer, built on the fly
+                                      (see tiny.py; for tests, the tiny recipes and quickstart --tiny)
     path/to/model.gguf                a GGUF file, dequantized and converted once into the cache
     path/to/dir                       a Hugging Face directory (config.json + *.safetensors)
     org/name                          a Hugging Face hub id
@@ -38,7 +40,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from draftsmith.speculative import embedded
+from draftsmith.speculative import embedded, tiny
 from draftsmith.speculative.embedded import EMBEDDED_DEFAULT
 from draftsmith.speculative.errors import ModelLoadError, TokenizerMismatchError
 
@@ -136,6 +138,9 @@ def load_model(spec: str | None, *, device: str | torch.device = "cpu", dtype: t
     `requires_grad` as transformers leaves it. Anything wrong with the spec or the files it names
     raises ModelLoadError with a one-line message.
     """
+    if spec is not None and spec.startswith("tiny:"):
+        model = _place(_tiny_from_spec(spec).to(dtype or torch.float32), device).eval()
+        return LoadedModel(model, tiny.tiny_tokenizer(), spec, None)
     name, source = _resolve(spec, cache_dir)
     model = _load_causal_lm(source, dtype or torch.float32)
     tokenizer = _load_tokenizer_from(source)
@@ -145,6 +150,8 @@ def load_model(spec: str | None, *, device: str | torch.device = "cpu", dtype: t
 
 def load_tokenizer(spec: str | None, cache_dir: Path | None = None) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer `load_model(spec)` would return, resolved the same way (a GGUF is converted)."""
+    if spec is not None and spec.startswith("tiny:"):
+        return tiny.tiny_tokenizer()
     _, source = _resolve(spec, cache_dir)
     return _load_tokenizer_from(source)
 
@@ -158,6 +165,17 @@ def check_same_tokenizer(target_tok, drafter_tok, target_name: str = "target", d
             f"{target_name} and {drafter_name} tokenizers differ: {difference} "
             f"(the {drafter_name} must use the {target_name}'s tokenizer)"
         )
+
+
+def _tiny_from_spec(spec: str) -> transformers.PreTrainedModel:
+    parts = spec.split(":")[1:]
+    try:
+        seed, layers = int(parts[0]), int(parts[1]) if len(parts) > 1 else 2
+    except (ValueError, IndexError):
+        raise ModelLoadError(f"bad tiny model spec '{spec}'; use tiny:SEED or tiny:SEED:LAYERS") from None
+    if len(parts) > 2 or not 1 <= layers <= 16:
+        raise ModelLoadError(f"bad tiny model spec '{spec}'; use tiny:SEED or tiny:SEED:LAYERS (1..16 layers)")
+    return tiny.tiny_model(seed, num_layers=layers)
 
 
 # --- resolving a spec --------------------------------------------------------------------------

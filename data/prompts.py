@@ -1,0 +1,169 @@
+"""Prompt sets and conversations from files, as one `datasets.Dataset` shape.
+
+Every loader returns rows with these columns:
+
+    id          str    stable id of the record (from an id column, else its index)
+    messages    list   [{"role": "user"|"assistant"|"system", "content": str}, ...]
+    category    str    a grouping for per-category figures ("" when the data has none)
+    reference   str    a reference answer for quality metrics ("" when none)
+
+Sources: `.jsonl`, `.json`, `.parquet`, `.csv` files (optionally gzip-compressed: `.jsonl.gz`), or a
+directory written by `Dataset.save_to_disk`. How a record becomes messages is decided by a
+`ColumnMap`; with none given it is inferred from the columns present:
+
+    messages / conversations   a list of {"role", "content"} (or ShareGPT {"from", "value"}) dicts
+    turns                      a list of user turns (MT-Bench / vicuna_bench); only the first is used
+                               unless `all_turns`, which keeps them as consecutive user messages
+    prompt / instruction / question / text / input   a single user message; with a self-instruct
+                               `instances` column, the first instance's input is appended to the
+                               instruction and its output is the reference
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+from draftsmith.speculative.errors import InvalidInputError
+
+PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")
+CONVERSATION_COLUMNS = ("messages", "conversations")
+CATEGORY_COLUMNS = ("category", "cluster", "motivation_app")
+REFERENCE_COLUMNS = ("reference", "answer", "output", "canonical_solution")
+ID_COLUMNS = ("id", "question_id", "uid", "task_id")
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass
+class ColumnMap:
+    """Which columns hold what; None means infer from the columns present."""
+
+    prompt: str | None = None  # a column holding one user message
+    messages: str | None = None  # a column holding a conversation (list of role/content dicts)
+    turns: str | None = None  # a column holding a list of user turns
+    category: str | None = None
+    reference: str | None = None
+    id: str | None = None
+
+
+def read_table(path: str | Path) -> datasets.Dataset:
+    """The raw records of a file or saved dataset directory, as a Dataset (no column mapping)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise InvalidInputError(f"no such file or directory: {path}")
+    if path.is_dir():
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise InvalidInputError(f"{path} is not a saved dataset directory ({_first_line(exc)})") from exc
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[next(iter(loaded))]
+        return loaded
+    suffixes = [s.lower() for s in path.suffixes]
+    kind = suffixes[-2] if suffixes and suffixes[-1] == ".gz" and len(suffixes) > 1 else (suffixes or [""])[-1]
+    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(kind)
+    if builder is None:
+        raise InvalidInputError(f"unsupported prompt file type '{''.join(path.suffixes)}' ({path}); "
+                                "use .jsonl, .json, .parquet, .csv or a saved dataset directory")
+    try:
+        table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # datasets raises many kinds for unreadable files
+        raise InvalidInputError(f"cannot read {path}: {_first_line(exc)}") from exc
+    if len(table) == 0:
+        raise InvalidInputError(f"{path} holds no records")
+    return table
+
+
+def load_conversations(
+    path: str | Path,
+    columns: ColumnMap | None = None,
+    *,
+    limit: int | None = None,
+    all_turns: bool = False,
+) -> datasets.Dataset:
+    """Read `path` and map it to the id / messages / category / reference shape (see module doc)."""
+    table = read_table(path)
+    columns = resolve_columns(table.column_names, columns or ColumnMap(), path)
+    if limit is not None:
+        table = table.select(range(min(limit, len(table))))
+
+    def to_row(record: dict, index: int) -> dict:
+        return {
+            "id": str(record[columns.id]) if columns.id else str(index),
+            "messages": _messages(record, columns, all_turns, path, index),
+            "category": str(record[columns.category] or "") if columns.category else "",
+            "reference": _reference(record, columns),
+        }
+
+    mapped = table.map(to_row, with_indices=True, remove_columns=table.column_names, desc="reading prompts")
+    if len(mapped) == 0:
+        raise InvalidInputError(f"{path} holds no records")
+    return mapped
+
+
+def resolve_columns(names: list[str], given: ColumnMap, path) -> ColumnMap:
+    """Fill in the unset fields of `given` from the column names; error when no prompt source is found."""
+    for field_name in ("prompt", "messages", "turns", "category", "reference", "id"):
+        value = getattr(given, field_name)
+        if value is not None and value not in names:
+            raise InvalidInputError(f"{path} has no column '{value}' (columns: {', '.join(names)})")
+    if not (given.prompt or given.messages or given.turns):
+        given.messages = next((c for c in CONVERSATION_COLUMNS if c in names), None)
+        given.turns = "turns" if not given.messages and "turns" in names else None
+        if not (given.messages or given.turns):
+            given.prompt = next((c for c in PROMPT_COLUMNS if c in names), None)
+    if not (given.prompt or given.messages or given.turns):
+        raise InvalidInputError(
+            f"{path} has no prompt column; pass one with --prompt-column (columns: {', '.join(names)})"
+        )
+    given.category = given.category or next((c for c in CATEGORY_COLUMNS if c in names), None)
+    given.reference = given.reference or next((c for c in REFERENCE_COLUMNS if c in names), None)
+    given.id = given.id or next((c for c in ID_COLUMNS if c in names), None)
+    return given
+
+
+def _messages(record: dict, columns: ColumnMap, all_turns: bool, path, index: int) -> list[dict]:
+    if columns.messages:
+        raw = record[columns.messages] or []
+        messages = [_message(m, path, index) for m in raw]
+    elif columns.turns:
+        turns = record[columns.turns] or []
+        turns = turns if all_turns else turns[:1]
+        messages = [{"role": "user", "content": str(t)} for t in turns]
+    else:
+        text = str(record[columns.prompt] or "")
+        instance = _first_instance(record)
+        if instance and str(instance.get("input") or "").strip():
+            text = f"{text}\n\n{instance['input']}"
+        messages = [{"role": "user", "content": text}]
+    if not messages or not any(m["content"].strip() for m in messages):
+        raise InvalidInputError(f"record {index} of {path} has an empty prompt")
+    return messages
+
+
+def _message(raw: dict, path, index: int) -> dict:
+    role = raw.get("role", raw.get("from"))
+    content = raw.get("content", raw.get("value"))
+    if role not in _ROLES or content is None:
+        raise InvalidInputError(f"record {index} of {path}: a message needs a role (user/assistant/system) and content")
+    return {"role": _ROLES[role], "content": str(content)}
+
+
+def _reference(record: dict, columns: ColumnMap) -> str:
+    if columns.reference:
+        return str(record[columns.reference] or "")
+    instance = _first_instance(record)
+    return str(instance.get("output") or "") if instance else ""
+
+
+def _first_instance(record: dict) -> dict | None:
+    """Self-instruct records carry "instances": [{"input", "output"}, ...]."""
+    instances = record.get("instances")
+    return instances[0] if isinstance(instances, list) and instances and isinstance(instances[0], dict) else None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
