@@ -19,6 +19,8 @@ def register(sub) -> None:
     add_target_args(p)
     p.add_argument("--drafter", default=None,
                    help="a draft model (directory, .gguf, hub id), early-exit:N, or ngram; omit to decode plainly")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="use a drafter trained for another target anyway (exact, but likely slow)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     target = load_model(args.target, device=device, dtype=dtype)
-    proposer = build_proposer(args.drafter, target, device=device, dtype=dtype)
+    proposer = build_proposer(args.drafter, target, device=device, dtype=dtype,
+                              allow_target_mismatch=args.allow_target_mismatch)
     prompt = encode_prompt(target.tokenizer, args.prompt, chat=args.chat)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     stream = TextStream(target.tokenizer)

@@ -2,17 +2,23 @@
 
     ngram | ngram:MAX[:MIN]      prompt lookup (training-free)
     early-exit:N                 the target's first N layers + final norm + lm_head (training-free)
-    PATH | HUB_ID | FILE.gguf    an independent draft LM with the target's tokenizer
+    DIR                          a drafter trained by draftsmith (draft LM or Medusa heads; checked
+                                 against the target it was trained for), or any HF causal LM directory
+    HUB_ID | FILE.gguf           an independent draft LM with the target's tokenizer
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from draftsmith.speculative.checkpoint import load_drafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model
 from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer, Proposer
 
 
-def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=None) -> Proposer | None:
+def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=None,
+                   allow_target_mismatch: bool = False) -> Proposer | None:
     if spec is None or spec in ("", "none"):
         return None
     kind, _, arg = spec.partition(":")
@@ -23,6 +29,9 @@ def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=
         if not arg:
             raise InvalidInputError("early-exit needs a layer count, e.g. --drafter early-exit:8")
         return EarlyExitProposer(target.model, _positive_int(arg, spec))
+    if Path(spec).expanduser().is_dir():
+        return load_drafter(Path(spec).expanduser(), target, allow_target_mismatch=allow_target_mismatch,
+                            device=device, dtype=dtype)[0]
     drafter = load_model(spec, device=device or target.model.device, dtype=dtype or target.model.dtype)
     check_same_tokenizer(target.tokenizer, drafter.tokenizer, target.name, drafter.name)
     return DraftModelProposer(drafter.model)

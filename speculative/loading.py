@@ -84,8 +84,8 @@ class LoadedModel:
     def weight_hash(self) -> str:
         """`state_dict_hash` of the model, computed on the first call and cached on this object.
 
-        For a converted GGUF, the hash recorded at conversion time is reused when the dtype matches,
-        which spares hashing every weight on every load.
+        For a converted GGUF, the hash recorded at conversion time is reused (it does not depend on
+        the dtype the model is loaded in), which spares hashing every weight on every load.
         """
         if self._weight_hash is None:
             self._weight_hash = self._recorded_weight_hash() or state_dict_hash(self.model)
@@ -94,14 +94,17 @@ class LoadedModel:
     def _recorded_weight_hash(self) -> str | None:
         if self.path is None or not (self.path / CONVERSION_RECORD).is_file():
             return None
-        return json.loads((self.path / CONVERSION_RECORD).read_text()).get("weight_hash", {}).get(str(self.model.dtype))
+        return json.loads((self.path / CONVERSION_RECORD).read_text()).get("identity_hash")
 
 
 def state_dict_hash(model: torch.nn.Module) -> str:
-    """sha256 over (name, shape, dtype, raw bytes) of every state-dict tensor, in sorted name order.
+    """sha256 over (name, shape, raw bfloat16 bytes) of every state-dict tensor, in sorted name order.
 
-    A tensor held under several names (tied embeddings) is counted once, under the first name.
-    Independent of device; dependent on dtype, so the same checkpoint in bfloat16 hashes differently.
+    Floating-point tensors are hashed after a cast to bfloat16, so one checkpoint loaded in float32,
+    bfloat16 or float16-from-bf16 keeps one identity: a drafter trained against a target in float32 is
+    still recognised when that target is served in bfloat16. Changes below bfloat16 resolution go
+    unnoticed, which no real fine-tune is. A tensor held under several names (tied embeddings) is
+    counted once, under the first name. Independent of device.
     """
     digest, seen = sha256(), set()
     state = model.state_dict()
@@ -112,7 +115,9 @@ def state_dict_hash(model: torch.nn.Module) -> str:
         if identity in seen:
             continue
         seen.add(identity)
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        if tensor.is_floating_point():
+            tensor = tensor.to(torch.bfloat16)
+        digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
         digest.update(tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
@@ -237,8 +242,7 @@ def convert_gguf(gguf: Path, target: Path, digest: str) -> None:
     try:
         plain.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
-        hashes = {str(torch.float32): state_dict_hash(plain)}
-        record = {"source": gguf.name, "source_sha256": digest, "weight_hash": hashes}
+        record = {"source": gguf.name, "source_sha256": digest, "identity_hash": state_dict_hash(plain)}
         (scratch / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         try:
             os.rename(scratch, target)
