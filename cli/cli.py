@@ -10,20 +10,22 @@ from draftsmith.speculative.errors import DraftsmithError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith import generate_cmd
+    from draftsmith import generate_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate_cmd,):
+    for module in (generate_cmd, train_cmd):
         module.register(sub)
     return parser
 
 
 def quiet_libraries() -> None:
     """Keep stdout/stderr for draftsmith's own output: no per-load progress bars or advisory warnings."""
+    import datasets
     import transformers
 
+    datasets.disable_progress_bars()  # draftsmith shows its own bars for the long steps
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
 

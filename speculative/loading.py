@@ -4,6 +4,7 @@ A model spec is one of, tried in this order:
 
     None or "smollm2-135m-instruct"  the embedded default (see embedded.py), loaded as a GGUF
     tiny:SEED[:LAYERS]                a tiny random Llama with a byte-level tokenizer, built on the fly
+    tiny-lm:SEED[:LAYERS]             the same, trained for ~10 s on a grammar corpus and cached
                                       (see tiny.py; for tests, the tiny recipes and quickstart --tiny)
     path/to/model.gguf                a GGUF file, dequantized and converted once into the cache
     path/to/dir                       a Hugging Face directory (config.json + *.safetensors)
@@ -146,6 +147,10 @@ def load_model(spec: str | None, *, device: str | torch.device = "cpu", dtype: t
     if spec is not None and spec.startswith("tiny:"):
         model = _place(_tiny_from_spec(spec).to(dtype or torch.float32), device).eval()
         return LoadedModel(model, tiny.tiny_tokenizer(), spec, None)
+    if spec is not None and spec.startswith("tiny-lm:"):
+        source = _tiny_lm_dir(spec, cache_dir)
+        model = _place(_load_causal_lm(source, dtype or torch.float32), device).eval()
+        return LoadedModel(model, _load_tokenizer_from(source), spec, source)
     name, source = _resolve(spec, cache_dir)
     model = _load_causal_lm(source, dtype or torch.float32)
     tokenizer = _load_tokenizer_from(source)
@@ -155,7 +160,7 @@ def load_model(spec: str | None, *, device: str | torch.device = "cpu", dtype: t
 
 def load_tokenizer(spec: str | None, cache_dir: Path | None = None) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer `load_model(spec)` would return, resolved the same way (a GGUF is converted)."""
-    if spec is not None and spec.startswith("tiny:"):
+    if spec is not None and spec.startswith(("tiny:", "tiny-lm:")):
         return tiny.tiny_tokenizer()
     _, source = _resolve(spec, cache_dir)
     return _load_tokenizer_from(source)
@@ -172,15 +177,45 @@ def check_same_tokenizer(target_tok, drafter_tok, target_name: str = "target", d
         )
 
 
-def _tiny_from_spec(spec: str) -> transformers.PreTrainedModel:
-    parts = spec.split(":")[1:]
+def _tiny_spec(spec: str, default_layers: int) -> tuple[int, int]:
+    kind, *parts = spec.split(":")
     try:
-        seed, layers = int(parts[0]), int(parts[1]) if len(parts) > 1 else 2
+        seed, layers = int(parts[0]), int(parts[1]) if len(parts) > 1 else default_layers
     except (ValueError, IndexError):
-        raise ModelLoadError(f"bad tiny model spec '{spec}'; use tiny:SEED or tiny:SEED:LAYERS") from None
+        raise ModelLoadError(f"bad tiny model spec '{spec}'; use {kind}:SEED or {kind}:SEED:LAYERS") from None
     if len(parts) > 2 or not 1 <= layers <= 16:
-        raise ModelLoadError(f"bad tiny model spec '{spec}'; use tiny:SEED or tiny:SEED:LAYERS (1..16 layers)")
-    return tiny.tiny_model(seed, num_layers=layers)
+        raise ModelLoadError(f"bad tiny model spec '{spec}'; use {kind}:SEED or {kind}:SEED:LAYERS (1..16 layers)")
+    return seed, layers
+
+
+def _tiny_from_spec(spec: str) -> transformers.PreTrainedModel:
+    seed, layers = _tiny_spec(spec, 2)
+    return tiny.tiny_model(seed, num_layers=layers, attention_scale=tiny.TINY_SPEC_ATTENTION_SCALE)
+
+
+def _tiny_lm_dir(spec: str, cache_dir: Path | None) -> Path:
+    """The cached directory of a trained tiny LM, trained and written (atomically) on first use.
+    Every process then loads the same bytes, whatever its thread count did to the training arithmetic."""
+    seed, layers = _tiny_spec(spec, 4)
+    root = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / "tiny-lm"
+    target = root / f"seed{seed}-layers{layers}-v1"
+    if target.is_dir():
+        return target
+    print(f"draftsmith: training the tiny LM {spec} (first use only, ~10 s)", file=sys.stderr)
+    model = tiny.train_tiny_lm(seed, num_layers=layers)
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
+    try:
+        model.save_pretrained(scratch)
+        tiny.tiny_tokenizer().save_pretrained(scratch)
+        try:
+            os.rename(scratch, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
 
 
 # --- resolving a spec --------------------------------------------------------------------------

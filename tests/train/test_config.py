@@ -1,0 +1,52 @@
+"""Recipes: typed, validated, overridable; every shipped recipe loads."""
+
+import pytest
+
+from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.train.config import RECIPES_DIR, load_recipe
+
+
+@pytest.mark.parametrize("name", ["tiny-draft-lm", "tiny-medusa", "draft-lm-smollm2", "medusa-smollm2"])
+def test_shipped_recipes_load(name):
+    recipe = load_recipe(name)
+    assert recipe.name == name
+    assert (RECIPES_DIR / f"{name}.yaml").is_file()
+
+
+def test_overrides_use_dotted_keys_and_yaml_values():
+    recipe = load_recipe("tiny-medusa", ["train.steps=7", "loss.kind=jsd", "data.prompts=[a.jsonl, b.jsonl]",
+                                         "tracking.report_to=none"])
+    assert recipe.train.steps == 7 and recipe.loss.kind == "jsd"
+    assert recipe.data.prompts == ["a.jsonl", "b.jsonl"]
+    assert recipe.head_weights() == pytest.approx([1.0, 0.8, 0.64])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stepz=3", "unknown key 'train.stepz'"),
+    ("bogus=1", "unknown key 'bogus'"),
+    ("train.steps=many", "train.steps"),
+    ("loss.kind=mse", "loss.kind"),
+    ("train.lr=-1", "train.lr"),
+    ("on_policy.fraction=0.5", "on_policy.fraction > 0 needs drafter.kind: draft-lm"),
+    ("loss.head_weights=[1, 2]", "head_weights"),
+    ("steps", "key=value"),
+])
+def test_bad_recipes_name_the_key(override, message):
+    with pytest.raises(InvalidInputError, match=message) as err:
+        load_recipe("tiny-medusa", [override])
+    assert "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_recipe_files(tmp_path):
+    with pytest.raises(InvalidInputError, match="no such recipe"):
+        load_recipe(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(InvalidInputError, match="not valid YAML"):
+        load_recipe(str(bad))
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(InvalidInputError, match="mapping"):
+        load_recipe(str(bad))
+    bad.write_text("name: x\n")
+    with pytest.raises(InvalidInputError, match="missing required key 'output_dir'"):
+        load_recipe(str(bad))

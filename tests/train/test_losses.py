@@ -1,0 +1,53 @@
+"""Distillation divergences against closed forms and their defining properties."""
+
+import pytest
+import torch
+
+from draftsmith.train.losses import distill_loss, top1_agreement
+
+
+def logits(seed, n=5, v=7):
+    return torch.randn(n, v, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_divergences_match_their_definitions():
+    s, t = logits(0), logits(1)
+    p, q = t.softmax(-1), s.softmax(-1)
+    kl = lambda a, b: (a * (a.log() - b.log())).sum(-1).mean()  # noqa: E731
+    torch.testing.assert_close(distill_loss("fkl", s, teacher_logits=t), kl(p, q))
+    torch.testing.assert_close(distill_loss("rkl", s, teacher_logits=t), kl(q, p))
+    m = 0.3 * p + 0.7 * q
+    torch.testing.assert_close(distill_loss("jsd", s, teacher_logits=t, beta=0.3), 0.3 * kl(p, m) + 0.7 * kl(q, m))
+    torch.testing.assert_close(distill_loss("tv", s, teacher_logits=t), 0.5 * (p - q).abs().sum(-1).mean())
+    labels = torch.tensor([0, 1, 2, 3, 4])
+    torch.testing.assert_close(distill_loss("ce", s, labels=labels), -q.log()[range(5), labels].mean())
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tv"])
+def test_zero_at_equality_positive_otherwise(kind):
+    t = logits(2)
+    assert distill_loss(kind, t.clone(), teacher_logits=t).abs() < 1e-6
+    assert distill_loss(kind, logits(3), teacher_logits=t) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["fkl", "rkl", "jsd", "tv"])
+def test_teacher_probabilities_equal_teacher_logits(kind):
+    s, t = logits(4), logits(5)
+    from_logits = distill_loss(kind, s, teacher_logits=t, temperature=2.0)
+    from_probs = distill_loss(kind, s, teacher_probs=t.softmax(-1), temperature=2.0)
+    torch.testing.assert_close(from_logits, from_probs, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_flow_and_empty_batches_are_zero():
+    s = logits(6).requires_grad_()
+    distill_loss("fkl", s, teacher_logits=logits(7)).backward()
+    assert s.grad.abs().sum() > 0
+    empty = torch.zeros(0, 7, requires_grad=True)
+    loss = distill_loss("jsd", empty, teacher_logits=torch.zeros(0, 7))
+    assert loss.item() == 0.0
+    loss.backward()
+
+
+def test_top1_agreement():
+    s = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    assert top1_agreement(s, torch.tensor([1, 1])).item() == 0.5

@@ -1,0 +1,47 @@
+"""The command line shared by `draftsmith train` and `accelerate launch -m draftsmith.train`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from draftsmith.speculative.errors import DraftsmithError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="a recipe YAML file, or the name of a shipped recipe (e.g. tiny-medusa)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="override recipe keys, e.g. train.steps=50 loss.kind=jsd")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from draftsmith.train.config import load_recipe
+    from draftsmith.train.loop import train
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    summary = train(recipe, progress=not args.no_progress)
+    if summary is not None:  # the main process
+        before, after = summary["al_before"], summary["al_after"]
+        print(f"trained {recipe.name} in {summary['train_seconds']:.0f} s "
+              f"({summary['tokens_trained']} tokens, {summary['tokens_per_s']:.0f} tok/s); held-out AL "
+              f"{before['acceptance_length'] if before else float('nan'):.3f} -> {after['acceptance_length']:.3f} "
+              f"(D={summary['eval_draft_len']}); drafter in {recipe.output_dir}/drafter", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftsmith.train", description="Train a drafter from a recipe.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from draftsmith.cli import quiet_libraries
+
+    quiet_libraries()
+    try:
+        return run(args)
+    except DraftsmithError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        return 130

@@ -1,0 +1,235 @@
+"""Typed training recipes: YAML files validated into pydantic models.
+
+A recipe is a YAML mapping with the sections below. Unknown keys and wrong types are errors that name
+the key; `key=value` overrides from the command line use dotted paths (`train.steps=50`,
+`loss.kind=fkl`) and YAML syntax for values (`data.prompts=[a.jsonl,b.jsonl]`).
+
+Relative paths in a recipe are relative to the working directory; `builtin:NAME` names a prompt set
+that ships with draftsmith (`data/prompts/NAME.jsonl`), and a recipe name without a path
+(`tiny-medusa`) names a recipe that ships in `recipes/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from draftsmith.speculative.errors import InvalidInputError
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DrafterConfig(Section):
+    kind: Literal["draft-lm", "medusa"] = "draft-lm"
+    """draft-lm: a small causal LM with the target's tokenizer; medusa: heads on the target's hidden state."""
+    init_from: str | None = None
+    """draft-lm only: start from this causal LM (directory or hub id) instead of building one from the target."""
+    num_layers: int = Field(2, ge=1)
+    """draft-lm: decoder layers (the target's first layers are copied when the width matches)."""
+    hidden_size: int | None = Field(None, ge=8)
+    """draft-lm: a narrower width than the target's (random init then); None keeps the target's."""
+    init_from_target: bool = True
+    """draft-lm: copy embeddings, final norm, lm_head and the first layers from the target."""
+    freeze_embeddings: bool = True
+    """draft-lm: keep the input embeddings and lm_head frozen."""
+    num_heads: int = Field(4, ge=1)
+    """medusa: number of heads K (head k predicts the token k+1 positions after the next one)."""
+    head_layers: int = Field(1, ge=1)
+    """medusa: residual SiLU blocks per head."""
+    own_lm_head: bool = False
+    """medusa: give each head a trainable copy of the lm_head instead of sharing the frozen one."""
+
+
+class DataConfig(Section):
+    prompts: list[str] = Field(default_factory=lambda: ["builtin:quickstart"])
+    """Prompt / conversation files (jsonl, json, parquet, csv, saved dataset dirs) or builtin:NAME."""
+    prompt_column: str | None = None
+    """Column holding the prompt, when it is not inferred (prompt, instruction, question, turns, messages...)."""
+    limit: int | None = Field(None, ge=1)
+    """Use at most this many records per file."""
+    heldout: int = Field(16, ge=1)
+    """Records held out (never trained on) for the periodic acceptance-length evaluation."""
+    regenerate: bool = True
+    """Replace the answers with the target's own (self-distillation); False trains on the data's assistant turns."""
+    max_new_tokens: int = Field(128, ge=1)
+    """Length of regenerated answers."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Regeneration temperature (0 = greedy)."""
+    regen_batch_size: int = Field(8, ge=1)
+    """Prompts per regeneration batch."""
+    max_length: int = Field(512, ge=8)
+    """Training sequences are truncated to this many tokens."""
+    cache_dir: str | None = None
+    """Where regenerated data and teacher caches go; default <output_dir>/data. Reused across runs."""
+
+
+class TeacherConfig(Section):
+    mode: Literal["online", "offline"] = "online"
+    """online: the target runs inside each training step; offline: cached top-k log-probs / hidden states."""
+    top_k: int = Field(32, ge=1)
+    """offline: log-probabilities kept per position."""
+
+
+class LossConfig(Section):
+    kind: Literal["ce", "fkl", "rkl", "jsd", "tv"] = "fkl"
+    """ce: hard labels (the target's tokens); fkl/rkl: forward/reverse KL; jsd: JSD(beta); tv: total variation."""
+    beta: float = Field(0.5, gt=0.0, lt=1.0)
+    """JSD mixing weight of the target distribution."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Both distributions are softened by this temperature in the divergence."""
+    head_weights: list[float] | None = None
+    """medusa: per-head loss weights; default head_decay**k."""
+    head_decay: float = Field(0.8, gt=0.0, le=1.0)
+    """medusa: weight of head k is head_decay**k unless head_weights is given."""
+
+
+class OnPolicyConfig(Section):
+    fraction: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of training sequences whose answer is sampled from the drafter itself and scored by the target."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Drafter sampling temperature for on-policy answers."""
+    max_new_tokens: int = Field(64, ge=1)
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    """Train LoRA adapters (peft) on the draft LM instead of all its weights; merged into the saved drafter."""
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(8, ge=1)
+    """Sequences per micro-batch per process."""
+    grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    """Linear warmup, then cosine decay to zero at `steps`."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, else full precision."""
+    seed: int = 0
+    eval_every: int = Field(50, ge=0)
+    """Steps between acceptance-length evaluations on the held-out prompts (0 = only before and after)."""
+    eval_prompts: int = Field(8, ge=1)
+    eval_draft_len: int = Field(4, ge=1)
+    eval_max_new_tokens: int = Field(64, ge=1)
+    checkpoint_every: int = Field(50, ge=0)
+    """Steps between resumable checkpoints (0 = none)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+
+
+class TrackingConfig(Section):
+    report_to: Literal["wandb", "tensorboard", "none"] = "wandb"
+    """W&B runs offline when no API key is set."""
+    project: str = "draftsmith"
+    run_name: str | None = None
+
+
+class Recipe(Section):
+    name: str
+    """Recipe name (recorded in the drafter)."""
+    target: str | None = None
+    """Target model spec; None = the embedded default smollm2-135m-instruct."""
+    output_dir: str
+    """Run directory: checkpoints, logs, data caches, and the final drafter in <output_dir>/drafter."""
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    on_policy: OnPolicyConfig = Field(default_factory=OnPolicyConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Recipe":
+        if self.on_policy.fraction > 0 and self.drafter.kind != "draft-lm":
+            raise ValueError("on_policy.fraction > 0 needs drafter.kind: draft-lm (heads do not generate)")
+        if self.on_policy.fraction > 0 and self.teacher.mode != "online":
+            raise ValueError("on_policy.fraction > 0 needs teacher.mode: online (on-policy answers are scored live)")
+        if self.lora.enabled and self.drafter.kind != "draft-lm":
+            raise ValueError("lora.enabled needs drafter.kind: draft-lm")
+        if self.loss.head_weights is not None and len(self.loss.head_weights) != self.drafter.num_heads:
+            raise ValueError(f"loss.head_weights has {len(self.loss.head_weights)} entries for "
+                             f"{self.drafter.num_heads} heads")
+        return self
+
+    def head_weights(self) -> list[float]:
+        if self.loss.head_weights is not None:
+            return list(self.loss.head_weights)
+        return [self.loss.head_decay ** k for k in range(self.drafter.num_heads)]
+
+
+def resolve_recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = RECIPES_DIR / (name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml")
+    if "/" not in name_or_path and shipped.is_file():
+        return shipped
+    known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+    raise InvalidInputError(f"no such recipe file: {name_or_path} (shipped recipes: {known})")
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    path = resolve_recipe_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise InvalidInputError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise InvalidInputError(f"recipe {path} must be a YAML mapping of sections")
+    for override in overrides:
+        apply_override(raw, override)
+    return validate_recipe(raw, str(path))
+
+
+def apply_override(raw: dict, override: str) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise InvalidInputError(f"override '{override}' must look like key=value (e.g. train.steps=50)")
+    try:
+        parsed = yaml.safe_load(value) if value else None
+    except yaml.YAMLError:
+        parsed = value
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise InvalidInputError(f"override '{override}': '{part}' is not a section")
+    node[parts[-1]] = parsed
+
+
+def validate_recipe(raw: dict, source: str) -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidInputError(f"recipe {source}: {describe_validation_error(exc)}") from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first problem, naming the key: 'unknown key train.stepz', 'train.steps: Input should be ...'."""
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"unknown key '{where}'"
+    if error["type"] == "missing":
+        return f"missing required key '{where}'"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message

@@ -1,0 +1,124 @@
+"""Everything a training run reads, prepared once and cached: the held-out prompts, the training
+sequences (target-regenerated answers by default) and, for offline teachers, the teacher cache.
+
+Caches live under `data.cache_dir` (default `<output_dir>/data`) in directories named by a hash of
+what determines them (target identity, prompt files, regeneration settings), so a rerun, a resumed
+run or another recipe with the same data reuses them, and different settings never mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+import draftsmith.data
+from draftsmith.data.prompts import ColumnMap, load_conversations
+from draftsmith.data.regenerate import regenerate
+from draftsmith.data.render import render_prompt, tokenize_dataset
+from draftsmith.data.teacher import TeacherCache, cache_teacher_signals
+from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.loading import LoadedModel
+from draftsmith.train.config import Recipe
+
+BUILTIN_PROMPTS = Path(draftsmith.data.__file__).resolve().parent / "prompts"
+
+
+@dataclass
+class TrainingData:
+    train: datasets.Dataset  # input_ids, loss_mask (1 on the answer tokens), truncated to max_length
+    heldout_prompts: list[list[int]]  # rendered prompts for the acceptance-length evaluation
+    teacher: TeacherCache | None  # offline teacher signals, aligned with `train` rows
+    source: dict  # what the data was built from (recorded in the drafter)
+
+
+def resolve_prompt_file(spec: str) -> Path:
+    if spec.startswith("builtin:"):
+        name = spec.removeprefix("builtin:")
+        path = BUILTIN_PROMPTS / f"{name}.jsonl"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in BUILTIN_PROMPTS.glob("*.jsonl")))
+            raise InvalidInputError(f"no builtin prompt set '{name}' (builtin sets: {known})")
+        return path
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise InvalidInputError(f"data file not found: {spec}")
+    return path
+
+
+def load_records(recipe: Recipe) -> datasets.Dataset:
+    cfg = recipe.data
+    parts = [load_conversations(resolve_prompt_file(spec), ColumnMap(prompt=cfg.prompt_column), limit=cfg.limit)
+             for spec in cfg.prompts]
+    if not parts:
+        raise InvalidInputError("data.prompts lists no files")
+    records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    return records.shuffle(seed=recipe.train.seed)
+
+
+def split_heldout(records: datasets.Dataset, heldout: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    if len(records) <= heldout:
+        raise InvalidInputError(
+            f"the training data holds {len(records)} records, not more than data.heldout={heldout}; "
+            "add prompts or lower data.heldout"
+        )
+    return records.select(range(heldout, len(records))), records.select(range(heldout))
+
+
+def cache_key(**parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: Path) -> str:
+    if path.is_dir():
+        return ";".join(f"{p.name}:{p.stat().st_size}" for p in sorted(path.rglob("*")) if p.is_file())
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress: bool = True) -> TrainingData:
+    """Build (main process) or load (other processes, after the main one) the run's data."""
+    cfg = recipe.data
+    cache_root = Path(cfg.cache_dir or Path(recipe.output_dir) / "data")
+    files = {spec: file_fingerprint(resolve_prompt_file(spec)) for spec in cfg.prompts}
+    records = load_records(recipe)
+    train_records, heldout = split_heldout(records, cfg.heldout)
+    source = {"prompts": cfg.prompts, "records": len(train_records), "heldout": len(heldout),
+              "regenerated": cfg.regenerate, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    key = cache_key(target=target.weight_hash(), files=files, limit=cfg.limit, column=cfg.prompt_column,
+                    heldout=cfg.heldout, seed=recipe.train.seed, regenerate=cfg.regenerate,
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    if cfg.regenerate:
+        regenerated = regenerate(target, train_records, cache_root / f"regen-{key}", max_new_tokens=cfg.max_new_tokens,
+                                 temperature=cfg.temperature, seed=recipe.train.seed,
+                                 batch_size=cfg.regen_batch_size, progress=progress and is_main)
+        train = truncate(regenerated, cfg.max_length)
+    else:
+        train = tokenize_dataset(train_records, target.tokenizer, cfg.max_length)
+    if len(train) == 0:
+        raise InvalidInputError("no training sequences with answer tokens are left (empty dataset)")
+    teacher = None
+    if recipe.teacher.mode == "offline":
+        teacher_dir = cache_root / f"teacher-{key}-{cfg.max_length}-k{recipe.teacher.top_k}"
+        teacher = cache_teacher_signals(target, train, teacher_dir, top_k=recipe.teacher.top_k,
+                                        hidden=recipe.drafter.kind == "medusa", progress=progress and is_main)
+    prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
+    return TrainingData(train=train, heldout_prompts=prompts, teacher=teacher, source=source)
+
+
+def truncate(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:
+    def cut(row):
+        return {"input_ids": row["input_ids"][:max_length], "loss_mask": row["loss_mask"][:max_length]}
+
+    cut_rows = dataset.map(cut, desc="truncating")
+    return cut_rows.filter(lambda row: sum(row["loss_mask"][1:]) > 0, desc="dropping empty rows")
+
+
+def strip_answers(messages: list[dict]) -> list[dict]:
+    """The conversation up to its last user turn (held-out prompts are answered by the runtime)."""
+    end = len(messages)
+    while end > 0 and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]

@@ -1,0 +1,404 @@
+"""The training loop, written out: micro-batches, backward, clip, step, log, evaluate, checkpoint.
+
+    accelerate launch -m draftsmith.train RECIPE [key=value ...]
+    draftsmith train RECIPE [key=value ...]
+
+run the same `train` function. What one optimizer step does:
+
+    for each of grad_accum micro-batches (this process's slice of the global batch):
+        teacher signals   online: a no-grad target forward; offline: rows of the teacher cache
+        drafter logits    only at the positions that count (answer tokens)
+        loss              the recipe's divergence (Medusa: per-head weighted) / grad_accum
+        backward          (DDP syncs gradients on the last micro-batch only)
+    clip, optimizer step, scheduler step
+
+Determinism and resume: the batch for (step, micro-batch, rank) is a pure function of the seed, on-policy
+samples use seeds derived from the same position, and checkpoints hold weights, optimizer, scheduler,
+RNG states and the trainer state. A run killed at any point and resumed from its last checkpoint ends
+with the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from draftsmith.data.collate import pad_batch
+from draftsmith.data.teacher import sparse_teacher_probs
+from draftsmith.speculative.checkpoint import DrafterInfo, save_draft_lm, save_medusa
+from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.medusa import MedusaHeads
+from draftsmith.speculative.prompts import stop_token_ids
+from draftsmith.speculative.sampling import SamplingParams
+from draftsmith.train.al_eval import acceptance_length
+from draftsmith.train.config import Recipe
+from draftsmith.train.data_prep import TrainingData, prepare_data
+from draftsmith.train.losses import distill_loss, top1_agreement
+from draftsmith.train.modules import (
+    DraftLMForTraining, MedusaForTraining, build_drafter, final_drafter, freeze, inference_model,
+)
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint holds beside weights, optimizer, scheduler and RNG states."""
+
+    step: int = 0
+    tokens_trained: int = 0
+    train_seconds: float = 0.0
+    al_before: dict | None = None
+    evals: list = field(default_factory=list)  # [{"step", "acceptance_length", ...}]
+    last_loss: float | None = None
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def train(recipe: Recipe, *, progress: bool = True) -> dict:
+    """Run the recipe to completion (resuming from its last checkpoint) and save the drafter."""
+    out = Path(recipe.output_dir)
+    check_output_dir(out)
+    accelerator = make_accelerator(recipe, out)
+    is_main = accelerator.is_main_process
+    set_seed(recipe.train.seed)
+
+    target = load_model(recipe.target, device=accelerator.device)
+    freeze(target.model)
+    with accelerator.main_process_first():
+        data = prepare_data(recipe, target, is_main=is_main, progress=progress)
+
+    drafter = build_drafter(recipe, target)
+    module = MedusaForTraining(drafter) if isinstance(drafter, MedusaHeads) else DraftLMForTraining(drafter)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    if not trainable:
+        raise InvalidInputError("the recipe leaves no drafter parameter trainable")
+    optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
+    # Stepped by hand once per optimizer step: accelerate's wrapper would step it once per process.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.train.warmup_steps, recipe.train.steps)
+    state = TrainerState()
+    module, optimizer = accelerator.prepare(module, optimizer)
+    accelerator.register_for_checkpointing(scheduler, state)
+    resumed = resume(accelerator, out)
+    start_trackers(accelerator, recipe, out, resumed)
+
+    if state.step == 0 and is_main:
+        state.al_before = evaluate(drafter, target, data, recipe, step=0, accelerator=accelerator)
+    bar = tqdm(total=recipe.train.steps, initial=state.step, desc=f"training {recipe.name}", file=sys.stderr,
+               disable=not (progress and is_main), dynamic_ncols=True)
+    while state.step < recipe.train.steps:
+        t0 = time.perf_counter()
+        metrics = train_step(module, optimizer, scheduler, accelerator, target, data, recipe, state.step)
+        state.step += 1
+        state.train_seconds += time.perf_counter() - t0
+        state.tokens_trained += metrics.pop("tokens")
+        state.last_loss = metrics["loss"]
+        metrics["tokens_per_s"] = state.tokens_trained / max(state.train_seconds, 1e-9)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
+            accelerator.log(metrics, step=state.step)
+        if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < recipe.train.steps:
+            if is_main:
+                evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
+            accelerator.wait_for_everyone()
+        if recipe.train.checkpoint_every and state.step % recipe.train.checkpoint_every == 0:
+            save_checkpoint(accelerator, out, state.step, recipe.train.keep_checkpoints)
+    bar.close()
+
+    summary = None
+    if is_main:
+        al_after = evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
+        summary = training_summary(recipe, state, al_after, data, resumed)
+        save_final(drafter, target, recipe, summary, out)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+# --- one optimizer step ---------------------------------------------------------------------------
+
+
+def train_step(module, optimizer, scheduler, accelerator, target, data, recipe, step) -> dict:
+    accum = recipe.train.grad_accum
+    totals = {"loss": 0.0, "tokens": 0}
+    agreement: dict[str, list[float]] = {}
+    for micro in range(accum):
+        batch = micro_batch(data, recipe, step, micro, accelerator)
+        if recipe.on_policy.fraction > 0:
+            batch = with_on_policy_answers(batch, module, accelerator, target, recipe, step, micro)
+        sync = micro == accum - 1
+        with accelerator.no_sync(module) if not sync else nullcontext():
+            loss, tokens, agree = compute_loss(module, batch, target, data, recipe, accelerator)
+            accelerator.backward(loss / accum)
+        totals["loss"] += loss.item() / accum
+        totals["tokens"] += tokens
+        for key, value in agree.items():
+            agreement.setdefault(key, []).append(value)
+    grad_norm = accelerator.clip_grad_norm_(module.parameters(), recipe.train.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {"loss": totals["loss"], "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+               "tokens": totals["tokens"]}
+    metrics.update({key: sum(v) / len(v) for key, v in agreement.items()})
+    return metrics
+
+
+def micro_batch(data: TrainingData, recipe: Recipe, step: int, micro: int, accelerator) -> dict:
+    """Rows for (step, micro-batch, rank): a slice of an endless stream of per-epoch permutations."""
+    size, world, rank = recipe.train.batch_size, accelerator.num_processes, accelerator.process_index
+    count = len(data.train)
+    start = ((step * recipe.train.grad_accum + micro) * world + rank) * size
+    indices = []
+    for position in range(start, start + size):
+        epoch, offset = divmod(position, count)
+        indices.append(epoch_order(recipe.train.seed, epoch, count)[offset])
+    rows = [dict(data.train[i], index=i) for i in indices]
+    batch = pad_batch(rows, pad_id=0)
+    return {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, count: int) -> list[int]:
+    return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def compute_loss(module, batch, target, data, recipe, accelerator):
+    unwrapped = accelerator.unwrap_model(module)
+    if isinstance(unwrapped, MedusaForTraining):
+        return medusa_loss(module, batch, target, data, recipe)
+    return draft_lm_loss(module, batch, target, data, recipe)
+
+
+def draft_lm_loss(module, batch, target, data, recipe):
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = batch["loss_mask"][:, 1:].bool().nonzero()  # [N, 2]: (row, t) where t predicts answer token t+1
+    labels = ids[positions[:, 0], positions[:, 1] + 1]
+    student = module(ids, mask, positions)  # [N, V]
+    teacher_logits, teacher_probs = teacher_at(positions, batch, target, data, recipe)
+    loss = distill_loss(recipe.loss.kind, student, labels=labels, teacher_logits=teacher_logits,
+                        teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
+    teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
+    return loss, int(positions.shape[0]), {"agreement/pos1": float(top1_agreement(student.detach(), teacher_top))}
+
+
+def medusa_loss(module, batch, target, data, recipe):
+    ids = batch["input_ids"]
+    hidden = target_hidden(batch, target, data)  # [B, L, H], no grad
+    dtype = next(module.parameters()).dtype
+    weights = recipe.head_weights()
+    # Head k reads h_t and predicts token t + 2 + k, an answer token; positions: (row, t).
+    positions = [batch["loss_mask"][:, k + 2:].bool().nonzero() for k in range(len(weights))]
+    students = module([hidden[p[:, 0], p[:, 1]].to(dtype) for p in positions])
+    total, tokens, agree = 0.0, 0, {}
+    for k, (weight, pos, student) in enumerate(zip(weights, positions, students)):
+        rows, t = pos[:, 0], pos[:, 1]
+        # The target's own distribution for that token comes from position t + 1 + k.
+        teacher_logits, teacher_probs = teacher_at(torch.stack([rows, t + k + 1], dim=1), batch, target, data,
+                                                   recipe, hidden=hidden)
+        loss = distill_loss(recipe.loss.kind, student, labels=ids[rows, t + k + 2], teacher_logits=teacher_logits,
+                            teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
+        total = total + weight * loss
+        tokens += int(pos.shape[0])
+        teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
+        agree[f"agreement/head{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
+    return total / sum(weights), tokens, agree
+
+
+@torch.no_grad()
+def target_hidden(batch, target, data) -> torch.Tensor:
+    if data.teacher is not None:
+        return padded_cache_field(batch, data, "hidden").to(target.model.dtype)
+    decoder = target.model.get_decoder()
+    return decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+
+
+@torch.no_grad()
+def teacher_at(positions, batch, target, data, recipe, hidden=None):
+    """(teacher logits, None) online, or (None, teacher probabilities) from the offline cache, at positions."""
+    if data.teacher is None:
+        hidden = hidden if hidden is not None else target_hidden(batch, target, data)
+        logits = target.model.get_output_embeddings()(hidden[positions[:, 0], positions[:, 1]])
+        return logits, None
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    values = padded_cache_field(batch, data, "topk_logprobs")[positions[:, 0], positions[:, 1]]
+    ids = padded_cache_field(batch, data, "topk_ids")[positions[:, 0], positions[:, 1]].long()
+    return None, sparse_teacher_probs(values, ids, vocab)
+
+
+def padded_cache_field(batch, data, name) -> torch.Tensor:  # [B, L, width] from the offline cache rows
+    rows = [data.teacher[i][name] for i in batch["index"].tolist()]
+    length = batch["input_ids"].shape[1]
+    out = torch.zeros(len(rows), length, rows[0].shape[-1], dtype=rows[0].dtype)
+    for b, value in enumerate(rows):
+        out[b, : value.shape[0]] = value[:length]
+    return out.to(batch["input_ids"].device)
+
+
+# --- on-policy answers (DistillSpec) --------------------------------------------------------------
+
+
+@torch.no_grad()
+def with_on_policy_answers(batch, module, accelerator, target, recipe, step, micro) -> dict:
+    """Replace the answers of a deterministic share of rows by the drafter's own samples."""
+    cfg = recipe.on_policy
+    g = torch.Generator().manual_seed(recipe.train.seed * 7919 + step * 131 + micro)
+    chosen = (torch.rand(batch["input_ids"].shape[0], generator=g) < cfg.fraction).tolist()
+    if not any(chosen):
+        return batch
+    drafter = inference_model(accelerator.unwrap_model(module).model)
+    was_training = drafter.training
+    drafter.eval()
+    rows = []
+    for b, (ids, loss_mask) in enumerate(zip(batch["input_ids"].tolist(), batch["loss_mask"].tolist())):
+        length = int(batch["attention_mask"][b].sum())
+        prompt_len = loss_mask.index(1) if 1 in loss_mask else length
+        row = {"input_ids": ids[:length], "loss_mask": loss_mask[:length], "index": int(batch["index"][b])}
+        if chosen[b]:
+            prompt = ids[:prompt_len]
+            seed = recipe.train.seed * 1_000_003 + (step * recipe.train.grad_accum + micro) * 1009 + b
+            decoder = SpeculativeDecoder(drafter, None, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
+            answer = decoder.generate([prompt], SamplingParams(cfg.temperature, seed=seed),
+                                      max_new_tokens=cfg.max_new_tokens).tokens[0]
+            row = {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer), "index": -1}
+        rows.append(row)
+    drafter.train(was_training)
+    padded = pad_batch(rows, pad_id=0)
+    return {k: v.to(accelerator.device) if isinstance(v, torch.Tensor) else v for k, v in padded.items()}
+
+
+# --- evaluation, checkpoints, output --------------------------------------------------------------
+
+
+def evaluate(drafter, target, data, recipe, *, step, accelerator, state=None) -> dict:
+    result = acceptance_length(drafter, target, data.heldout_prompts[: recipe.train.eval_prompts],
+                               draft_len=recipe.train.eval_draft_len, max_new_tokens=recipe.train.eval_max_new_tokens)
+    result["step"] = step
+    if state is not None:
+        state.evals.append(result)
+    log = {"eval/acceptance_length": result["acceptance_length"]}
+    log.update({f"eval/acceptance_pos{i + 1}": a for i, a in enumerate(result["position_acceptance"]) if a is not None})
+    accelerator.log(log, step=step)
+    tqdm.write(f"step {step}: held-out AL {result['acceptance_length']:.3f} (D={recipe.train.eval_draft_len})",
+               file=sys.stderr)
+    return result
+
+
+def save_checkpoint(accelerator, out: Path, step: int, keep: int) -> None:
+    root = out / "checkpoints"
+    final, scratch = root / f"step-{step:07d}", root / f".partial-step-{step:07d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(scratch), safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        os.rename(scratch, final)  # a checkpoint directory without the prefix is complete
+        for old in completed_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def completed_checkpoints(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+
+
+def resume(accelerator, out: Path) -> bool:
+    checkpoints = completed_checkpoints(out / "checkpoints")
+    if not checkpoints:
+        return False
+    accelerator.load_state(str(checkpoints[-1]))
+    if accelerator.is_main_process:
+        tqdm.write(f"resuming from {checkpoints[-1]}", file=sys.stderr)
+    return True
+
+
+def check_output_dir(out: Path) -> None:
+    if (out / "drafter").exists():
+        raise InvalidInputError(f"{out} already holds a finished run ({out / 'drafter'}); choose another output_dir")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write to output_dir {out}: {exc.strerror or exc}") from None
+
+
+def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:
+    precision = recipe.train.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    log_with = None if recipe.tracking.report_to == "none" else recipe.tracking.report_to
+    return Accelerator(mixed_precision=precision, log_with=log_with, project_dir=str(out / "logs"))
+
+
+def start_trackers(accelerator, recipe: Recipe, out: Path, resumed: bool) -> None:
+    if recipe.tracking.report_to == "none":
+        return
+    init_kwargs = {}
+    if recipe.tracking.report_to == "wandb":
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        name = recipe.tracking.run_name or recipe.name
+        init_kwargs["wandb"] = {"dir": str(out), "mode": mode, "name": f"{name}-resumed" if resumed else name}
+    accelerator.init_trackers(recipe.tracking.project, config=flat_config(recipe), init_kwargs=init_kwargs)
+
+
+def flat_config(recipe: Recipe) -> dict:
+    """The resolved recipe as flat scalar keys (TensorBoard's hparams take no nested values)."""
+    flat = {}
+    for section, values in recipe.model_dump().items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                flat[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+        else:
+            flat[section] = values if isinstance(values, (int, float, str, bool)) else str(values)
+    return flat
+
+
+def training_summary(recipe, state: TrainerState, al_after: dict, data: TrainingData, resumed: bool) -> dict:
+    return {
+        "recipe": recipe.name,
+        "steps": state.step,
+        "train_seconds": state.train_seconds,
+        "tokens_trained": state.tokens_trained,
+        "tokens_per_s": state.tokens_trained / max(state.train_seconds, 1e-9),
+        "final_loss": state.last_loss,
+        "al_before": state.al_before,
+        "al_after": al_after,
+        "evals": state.evals,
+        "data": data.source,
+        "resumed": resumed,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "eval_draft_len": recipe.train.eval_draft_len,
+    }
+
+
+def save_final(drafter, target, recipe: Recipe, summary: dict, out: Path) -> Path:
+    kind = "medusa" if isinstance(drafter, MedusaHeads) else "draft-lm"
+    info = DrafterInfo.for_target(kind, target, recipe=recipe.model_dump(), training=summary)
+    if kind == "medusa":
+        return save_medusa(out / "drafter", drafter, target.tokenizer, info)
+    return save_draft_lm(out / "drafter", final_drafter(drafter), target.tokenizer, info)
