@@ -1,0 +1,368 @@
+"""Target-regenerated responses (self-distillation data): the target answers every prompt itself.
+
+A drafter learns to predict the target, so the best training replies are the target's own. For each
+conversation the trailing assistant message(s) are dropped, the rest is rendered with the generation
+prompt (`render_prompt`), and the target answers through draftsmith's runtime (`SpeculativeDecoder`;
+a proposer only makes it faster: greedy output is identical, sampled output identically distributed).
+
+Each output row stores exactly what the target produced:
+
+    input_ids    prompt ids + generated ids (a stop token, if one was hit, is the last id)
+    loss_mask    0 on the prompt, 1 on every generated id
+    prompt_len   len(prompt ids)
+    messages     prompt messages + {"role": "assistant", "content": decoded reply}
+    finish_reason  "stop" or "length"; plus id, category and reference from the input
+
+The ids are not re-rendered from the decoded text: a reply can re-tokenize differently, and a reply
+cut off by max_new_tokens must not gain an end-of-turn token it never produced.
+
+On disk (`out_dir`), written so that a crash or Ctrl-C loses nothing already finished:
+
+    manifest.json              settings (target, tokenizer, sampling, shard size, input hash) and the
+                               completed shards; a rerun with other settings is refused
+    shards/shard-00000.jsonl   shard_size output rows each, in input order
+    dataset/                   the whole result (`Dataset.save_to_disk`), once every shard is done
+
+Every file is written to a temporary name beside its place and renamed into it. Row r is sampled
+with its own seed, derived from (seed, r), so outputs do not depend on batch size or composition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from hashlib import sha256
+from pathlib import Path
+
+import datasets
+from tqdm.auto import tqdm
+
+from draftsmith.data.render import TOKEN_FEATURES, render_prompt
+from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
+from draftsmith.speculative.prompts import stop_token_ids
+from draftsmith.speculative.proposers import Proposer
+from draftsmith.speculative.sampling import SamplingParams
+
+MANIFEST = "manifest.json"
+KIND = "draftsmith-regenerated"
+FORMAT_VERSION = 1
+OUTPUT_FEATURES = datasets.Features({
+    "id": datasets.Value("string"),
+    "category": datasets.Value("string"),
+    "reference": datasets.Value("string"),
+    "messages": datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")}),
+    **TOKEN_FEATURES,
+    "finish_reason": datasets.Value("string"),
+})
+
+
+def regenerate(
+    target: LoadedModel,
+    conversations: datasets.Dataset,
+    out_dir: Path,
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    shard_size: int = 64,
+    proposer: Proposer | None = None,
+    draft_len: int = 4,
+    progress: bool = True,
+) -> datasets.Dataset:
+    """Answer every conversation with `target` into `out_dir` (see the module docstring); resumable.
+
+    batch_size, proposer and draft_len change speed only, so a rerun may change them freely.
+    """
+    _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len)
+    SamplingParams(temperature=temperature, top_p=top_p, seed=0)  # validates the sampling settings
+    out_dir = Path(out_dir)
+    settings = {
+        "target": target.name,
+        "target_weight_hash": target.weight_hash(),
+        "tokenizer_hash": tokenizer_hash(target.tokenizer),
+        "max_new_tokens": max_new_tokens,
+        "temperature": float(temperature),
+        "top_p": float(top_p),
+        "seed": seed,
+        "shard_size": shard_size,
+        "num_records": len(conversations),
+        "input_hash": conversations_hash(conversations),
+    }
+    num_shards = math.ceil(len(conversations) / shard_size)
+    manifest = open_run_dir(out_dir, KIND, settings, num_shards)
+    if manifest["complete"] and (out_dir / "dataset").is_dir():
+        return _load(out_dir, progress)
+
+    shard_dir = out_dir / "shards"
+    shard_dir.mkdir(exist_ok=True)
+    done = {s for s in manifest["shards_done"] if (shard_dir / shard_name(s)).is_file()}
+    if done:
+        print(f"regenerate: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
+    decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
+    done_records = sum(len(_shard_range(s, shard_size, len(conversations))) for s in done)
+    with tqdm(total=len(conversations), initial=done_records, unit="rec", desc="regenerating",
+              disable=not progress, file=sys.stderr) as bar:
+        for shard in range(num_shards):
+            if shard in done:
+                continue
+            records = _shard_range(shard, shard_size, len(conversations))
+            rows = _generate_rows(decoder, target.tokenizer, conversations, records, settings,
+                                  batch_size, draft_len, bar)
+            _write_shard(shard_dir / shard_name(shard), rows)
+            done.add(shard)
+            manifest["shards_done"] = sorted(done)
+            write_json_atomic(out_dir / MANIFEST, manifest)
+    return _finish(out_dir, manifest, num_shards, len(conversations), progress)
+
+
+def load_regenerated(out_dir: Path) -> datasets.Dataset:
+    """The dataset a finished `regenerate` run wrote to `out_dir`."""
+    out_dir = Path(out_dir)
+    manifest = read_manifest(out_dir, KIND)
+    if not manifest["complete"] or not (out_dir / "dataset").is_dir():
+        raise InvalidInputError(
+            f"regeneration in {out_dir} is unfinished ({len(manifest['shards_done'])}/{manifest['num_shards']} "
+            "shards); rerun it with the same settings to finish"
+        )
+    return _load(out_dir, progress=False)
+
+
+def conversations_hash(conversations: datasets.Dataset) -> str:
+    """sha256 over the id, messages, category and reference of every row, in order."""
+    digest = sha256()
+    columns = [c for c in ("id", "messages", "category", "reference") if c in conversations.column_names]
+    for batch in conversations.select_columns(columns).iter(batch_size=1000):
+        digest.update(json.dumps(batch, sort_keys=True, ensure_ascii=False).encode())
+    return digest.hexdigest()
+
+
+def row_seed(seed: int, index: int) -> int:
+    """The sampling seed of record `index`: a 63-bit hash of (seed, index)."""
+    return int.from_bytes(sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
+def shard_name(shard: int) -> str:
+    return f"shard-{shard:05d}.jsonl"
+
+
+# --- generating one shard ----------------------------------------------------------------------
+
+
+def _generate_rows(decoder, tokenizer, conversations, records: range, settings: dict, batch_size: int,
+                   draft_len: int, bar) -> list[dict]:
+    """The output rows of `records`, in record order; batched by prompt length for less padding."""
+    rows = [_prompt_row(conversations[r], r) for r in records]
+    prompts = [render_prompt(tokenizer, row["messages"]) for row in rows]
+    order = sorted(range(len(rows)), key=lambda k: len(prompts[k]))
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin: begin + batch_size]
+        params = [
+            SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"],
+                           seed=row_seed(settings["seed"], records[k]))
+            for k in chunk
+        ]
+        result = decoder.generate([prompts[k] for k in chunk], params,
+                                  max_new_tokens=settings["max_new_tokens"], draft_len=draft_len)
+        for k, generated, reason in zip(chunk, result.tokens, result.finish_reasons):
+            _complete_row(rows[k], tokenizer, prompts[k], generated, reason)
+        bar.update(len(chunk))
+    return rows
+
+
+def _prompt_row(record: dict, index: int) -> dict:
+    messages = list(record["messages"])
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages:
+        raise InvalidInputError(f"record {index} has no user message to answer")
+    return {
+        "id": str(record["id"]) if record.get("id") is not None else str(index),
+        "category": str(record.get("category") or ""),
+        "reference": str(record.get("reference") or ""),
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+    }
+
+
+def _complete_row(row: dict, tokenizer, prompt: list[int], generated: list[int], reason: str) -> None:
+    reply = tokenizer.decode(generated, skip_special_tokens=True)
+    row["messages"].append({"role": "assistant", "content": reply})
+    row["input_ids"] = list(prompt) + list(generated)
+    row["loss_mask"] = [0] * len(prompt) + [1] * len(generated)
+    row["prompt_len"] = len(prompt)
+    row["finish_reason"] = reason
+
+
+def _shard_range(shard: int, shard_size: int, total: int) -> range:
+    return range(shard * shard_size, min((shard + 1) * shard_size, total))
+
+
+def _write_shard(path: Path, rows: list[dict]) -> None:
+    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def _read_shard(path: Path, expected: int) -> list[dict]:
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInputError(f"corrupt shard {path}: {_first_line(exc)}; delete it and rerun") from exc
+    if len(rows) != expected:
+        raise InvalidInputError(f"corrupt shard {path}: {len(rows)} rows, expected {expected}; delete it and rerun")
+    return rows
+
+
+def _finish(out_dir: Path, manifest: dict, num_shards: int, total: int, progress: bool) -> datasets.Dataset:
+    shard_size = manifest["settings"]["shard_size"]
+    rows = []
+    for shard in range(num_shards):
+        rows += _read_shard(out_dir / "shards" / shard_name(shard), len(_shard_range(shard, shard_size, total)))
+    dataset = datasets.Dataset.from_list(rows, features=OUTPUT_FEATURES)
+    with _datasets_progress(progress):
+        save_dataset_atomic(dataset, out_dir / "dataset")
+    manifest["complete"] = True
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return _load(out_dir, progress)
+
+
+def _load(out_dir: Path, progress: bool) -> datasets.Dataset:
+    with _datasets_progress(progress):
+        return datasets.load_from_disk(str(out_dir / "dataset"))
+
+
+def _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len) -> None:
+    if not isinstance(conversations, datasets.Dataset) or "messages" not in conversations.column_names:
+        raise InvalidInputError("regenerate needs a Dataset with a messages column (see data.prompts)")
+    if len(conversations) == 0:
+        raise InvalidInputError("no conversations to regenerate")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size), ("shard_size", shard_size)):
+        if not isinstance(value, int) or value < 1:
+            raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(draft_len, int) or draft_len < 0:
+        raise InvalidInputError(f"draft_len must be >= 0, got {draft_len!r}")
+
+
+# --- run directories: manifests and atomic writes (shared with data.teacher) -------------------
+
+
+def open_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> dict:
+    """The manifest of the run in `out_dir`, created if the directory is new or empty.
+
+    An existing run with other settings, or a non-empty directory that is not a `kind` run, is
+    refused with a one-line error: results are never mixed or overwritten.
+    """
+    if (out_dir / MANIFEST).exists():
+        manifest = read_manifest(out_dir, kind)
+        _check_same_settings(out_dir, manifest["settings"], settings)
+        return manifest
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise InvalidInputError(f"{out_dir} exists and is not a {kind} directory (no {MANIFEST}); "
+                                "pass a new or empty directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = {"kind": kind, "format_version": FORMAT_VERSION, "settings": settings,
+                "num_shards": num_shards, "shards_done": [], "complete": False}
+    write_json_atomic(out_dir / MANIFEST, manifest)
+    return manifest
+
+
+def read_manifest(out_dir: Path, kind: str) -> dict:
+    path = Path(out_dir) / MANIFEST
+    if not path.is_file():
+        raise InvalidInputError(f"{out_dir} holds no {kind} run (missing {path})")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidInputError(f"corrupt manifest {path}: {_first_line(exc)}") from exc
+    keys = ("kind", "settings", "num_shards", "shards_done", "complete")
+    if not isinstance(manifest, dict) or any(k not in manifest for k in keys):
+        raise InvalidInputError(f"corrupt manifest {path}: missing fields")
+    if manifest["kind"] != kind:
+        raise InvalidInputError(f"{out_dir} holds a {manifest['kind']} run, not a {kind} run")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise InvalidInputError(f"{path} has format version {manifest.get('format_version')}, "
+                                f"this draftsmith reads {FORMAT_VERSION}")
+    return manifest
+
+
+def _check_same_settings(out_dir: Path, stored: dict, wanted: dict) -> None:
+    for key in sorted(stored.keys() | wanted.keys()):
+        if stored.get(key) != wanted.get(key):
+            raise InvalidInputError(
+                f"{out_dir} was written with other settings ({key}: {_short(stored.get(key))} there, "
+                f"{_short(wanted.get(key))} now); pass another directory or delete it"
+            )
+
+
+def write_json_atomic(path: Path, value) -> None:
+    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as scratch:
+        with open(scratch, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """A temporary file name beside `path`, renamed onto `path` if the body finishes; removed if not."""
+    path = Path(path)
+    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(scratch)
+        os.chmod(scratch, 0o666 & ~_umask())  # mkstemp makes it private; give it a normal file's mode
+        os.replace(scratch, path)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+
+
+def save_dataset_atomic(dataset: datasets.Dataset, path: Path) -> None:
+    """`dataset.save_to_disk(path)` through a temporary directory, so `path` is whole or absent."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        dataset.save_to_disk(str(scratch))
+        os.chmod(scratch, 0o777 & ~_umask())
+        if path.exists():  # an earlier run died between saving and marking itself complete
+            shutil.rmtree(path)
+        os.rename(scratch, path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def _datasets_progress(enabled: bool):
+    was_disabled = datasets.are_progress_bars_disabled()
+    if not enabled:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not enabled and not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else text[:12] + "..." + text[-8:]
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__
