@@ -16,10 +16,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draftsmith.train.config import load_recipe
+    from draftsmith.train.config import load_raw_recipe, validate_recipe
     from draftsmith.train.loop import train
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    raw, path = load_raw_recipe(args.recipe, args.overrides)
+    if raw.get("task") == "finetune-target":  # a target update (see finetune_target.py), not a drafter
+        from draftsmith.train.finetune_target import FinetuneRecipe, finetune_target
+
+        finetune_target(validate_recipe(raw, str(path), FinetuneRecipe), progress=not args.no_progress)
+        return 0
+    recipe = validate_recipe(raw, str(path))
     summary = train(recipe, progress=not args.no_progress)
     if summary is not None:  # the main process
         before, after = summary["al_before"], summary["al_after"]

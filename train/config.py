@@ -30,7 +30,8 @@ class DrafterConfig(Section):
     kind: Literal["draft-lm", "medusa"] = "draft-lm"
     """draft-lm: a small causal LM with the target's tokenizer; medusa: heads on the target's hidden state."""
     init_from: str | None = None
-    """draft-lm only: start from this causal LM (directory or hub id) instead of building one from the target."""
+    """Warm start: a draft-LM (any causal LM directory or hub id with the target's tokenizer) or a
+    draftsmith Medusa directory to start from, instead of building a fresh drafter from the target."""
     num_layers: int = Field(2, ge=1)
     """draft-lm: decoder layers (the target's first layers are copied when the width matches)."""
     hidden_size: int | None = Field(None, ge=8)
@@ -131,6 +132,8 @@ class TrainConfig(Section):
     """Steps between resumable checkpoints (0 = none)."""
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
+    stop_at_al: float | None = Field(None, gt=1.0)
+    """Finish early once a periodic held-out evaluation reaches this acceptance length (re-tuning)."""
 
 
 class TrackingConfig(Section):
@@ -187,6 +190,12 @@ def resolve_recipe_path(name_or_path: str) -> Path:
 
 
 def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    raw, path = load_raw_recipe(name_or_path, overrides)
+    return validate_recipe(raw, str(path))
+
+
+def load_raw_recipe(name_or_path: str, overrides: list[str] = ()) -> tuple[dict, Path]:
+    """The recipe's YAML mapping with the overrides applied, not yet validated."""
     path = resolve_recipe_path(name_or_path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -196,7 +205,7 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
         raise InvalidInputError(f"recipe {path} must be a YAML mapping of sections")
     for override in overrides:
         apply_override(raw, override)
-    return validate_recipe(raw, str(path))
+    return raw, path
 
 
 def apply_override(raw: dict, override: str) -> None:
@@ -216,9 +225,9 @@ def apply_override(raw: dict, override: str) -> None:
     node[parts[-1]] = parsed
 
 
-def validate_recipe(raw: dict, source: str) -> Recipe:
+def validate_recipe(raw: dict, source: str, schema: type[BaseModel] | None = None) -> Recipe:
     try:
-        return Recipe.model_validate(raw)
+        return (schema or Recipe).model_validate(raw)
     except ValidationError as exc:
         raise InvalidInputError(f"recipe {source}: {describe_validation_error(exc)}") from None
 

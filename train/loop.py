@@ -74,8 +74,11 @@ class TrainerState:
             setattr(self, key, value)
 
 
-def train(recipe: Recipe, *, progress: bool = True) -> dict:
-    """Run the recipe to completion (resuming from its last checkpoint) and save the drafter."""
+def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None) -> dict:
+    """Run the recipe to completion (resuming from its last checkpoint) and save the drafter.
+
+    `lineage` (from `draftsmith retune`) is recorded in the drafter's config.
+    """
     out = Path(recipe.output_dir)
     check_output_dir(out)
     accelerator = make_accelerator(recipe, out)
@@ -121,6 +124,8 @@ def train(recipe: Recipe, *, progress: bool = True) -> dict:
             if is_main:
                 evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
             accelerator.wait_for_everyone()
+            if reached_goal(recipe, state, accelerator):
+                break
         if recipe.train.checkpoint_every and state.step % recipe.train.checkpoint_every == 0:
             save_checkpoint(accelerator, out, state.step, recipe.train.keep_checkpoints)
     bar.close()
@@ -129,7 +134,7 @@ def train(recipe: Recipe, *, progress: bool = True) -> dict:
     if is_main:
         al_after = evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
         summary = training_summary(recipe, state, al_after, data, resumed)
-        save_final(drafter, target, recipe, summary, out)
+        save_final(drafter, target, recipe, summary, out, lineage)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -396,9 +401,19 @@ def training_summary(recipe, state: TrainerState, al_after: dict, data: Training
     }
 
 
-def save_final(drafter, target, recipe: Recipe, summary: dict, out: Path) -> Path:
+def reached_goal(recipe: Recipe, state: TrainerState, accelerator) -> bool:
+    """Early stop for re-tuning: the last held-out AL reached `train.stop_at_al` (decided on the main
+    process, which ran the evaluation, and shared so every process stops at the same step)."""
+    if recipe.train.stop_at_al is None:
+        return False
+    reached = bool(state.evals) and state.evals[-1]["acceptance_length"] >= recipe.train.stop_at_al
+    flag = torch.tensor([float(reached and accelerator.is_main_process)], device=accelerator.device)
+    return bool(accelerator.reduce(flag, reduction="sum").item() > 0)
+
+
+def save_final(drafter, target, recipe: Recipe, summary: dict, out: Path, lineage: dict | None = None) -> Path:
     kind = "medusa" if isinstance(drafter, MedusaHeads) else "draft-lm"
-    info = DrafterInfo.for_target(kind, target, recipe=recipe.model_dump(), training=summary)
+    info = DrafterInfo.for_target(kind, target, recipe=recipe.model_dump(), training=summary, lineage=lineage)
     if kind == "medusa":
         return save_medusa(out / "drafter", drafter, target.tokenizer, info)
     return save_draft_lm(out / "drafter", final_drafter(drafter), target.tokenizer, info)

@@ -7,9 +7,12 @@ count, so the [batch, length, vocab] tensor is never built for positions the los
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from draftsmith.speculative.checkpoint import load_medusa_heads
 from draftsmith.speculative.draft_lm import build_draft_lm
 from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model
 from draftsmith.speculative.medusa import MedusaHeads
@@ -45,6 +48,9 @@ class MedusaForTraining(nn.Module):
 def build_drafter(recipe: Recipe, target: LoadedModel) -> nn.Module:
     """The untrained drafter the recipe asks for (requires_grad set on what trains)."""
     cfg = recipe.drafter
+    if cfg.kind == "medusa" and cfg.init_from:
+        heads = load_medusa_heads(Path(cfg.init_from), target)
+        return heads.train()
     if cfg.kind == "medusa":
         lm_head = target.model.get_output_embeddings()
         heads = MedusaHeads(target.model.config.hidden_size, lm_head.weight.shape[0], cfg.num_heads,
