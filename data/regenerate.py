@@ -84,6 +84,7 @@ def regenerate(
     """
     _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len)
     SamplingParams(temperature=temperature, top_p=top_p, seed=0)  # validates the sampling settings
+    _check_prompts(conversations, target.tokenizer)
     out_dir = Path(out_dir)
     settings = {
         "target": target.name,
@@ -178,6 +179,18 @@ def _generate_rows(decoder, tokenizer, conversations, records: range, settings: 
     return rows
 
 
+def _check_prompts(conversations: datasets.Dataset, tokenizer) -> None:
+    """Refuse unanswerable records before anything is written (a run dir is tied to its input)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError("regeneration renders prompts with a chat template; this tokenizer has none")
+    index = 0
+    for batch in conversations.select_columns(["messages"]).iter(batch_size=1000):
+        for messages in batch["messages"]:
+            if not any(m["role"] != "assistant" for m in messages or []):
+                raise InvalidInputError(f"record {index} has no user message to answer")
+            index += 1
+
+
 def _prompt_row(record: dict, index: int) -> dict:
     messages = list(record["messages"])
     while messages and messages[-1]["role"] == "assistant":
@@ -253,11 +266,15 @@ def _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len
 
 
 def open_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> dict:
-    """The manifest of the run in `out_dir`, created if the directory is new or empty.
+    """The manifest of the `kind` run in `out_dir` (see `check_run_dir`), created if there is none."""
+    return check_run_dir(out_dir, kind, settings) or create_run_dir(out_dir, kind, settings, num_shards)
 
-    An existing run with other settings, or a non-empty directory that is not a `kind` run, is
-    refused with a one-line error: results are never mixed or overwritten.
-    """
+
+def check_run_dir(out_dir: Path, kind: str, settings: dict) -> dict | None:
+    """The manifest of an existing run in `out_dir` with these settings, or None for a new or empty
+    directory. Writes nothing. An existing run with other settings, or a non-empty directory that is
+    not a `kind` run, is refused with a one-line error: results are never mixed or overwritten."""
+    out_dir = Path(out_dir)
     if (out_dir / MANIFEST).exists():
         manifest = read_manifest(out_dir, kind)
         _check_same_settings(out_dir, manifest["settings"], settings)
@@ -265,6 +282,11 @@ def open_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> d
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise InvalidInputError(f"{out_dir} exists and is not a {kind} directory (no {MANIFEST}); "
                                 "pass a new or empty directory")
+    return None
+
+
+def create_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> dict:
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = {"kind": kind, "format_version": FORMAT_VERSION, "settings": settings,
                 "num_shards": num_shards, "shards_done": [], "complete": False}
