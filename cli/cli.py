@@ -10,12 +10,12 @@ from draftsmith.speculative.errors import DraftsmithError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith import eval_cmd, generate_cmd, retune_cmd, train_cmd
+    from draftsmith import eval_cmd, generate_cmd, quickstart, retune_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate_cmd, train_cmd, retune_cmd, eval_cmd):
+    for module in (generate_cmd, train_cmd, retune_cmd, eval_cmd, quickstart):
         module.register(sub)
     return parser
 

@@ -78,11 +78,11 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     target = load_model(args.target, device=device, dtype=resolve_dtype(args.dtype, device))
 
-    from draftsmith.eval.run import evaluate_drafter
+    from draftsmith.eval.run import evaluate
 
-    report = evaluate_drafter(target, settings.drafter, prompts, settings, baseline=baseline,
-                              allow_target_mismatch=args.allow_target_mismatch or baseline is not None,
-                              progress=not args.no_progress)
+    report = evaluate(target, settings.drafter, prompts, settings, baseline=baseline,
+                      allow_target_mismatch=args.allow_target_mismatch or baseline is not None,
+                      progress=not args.no_progress)
     written = report.save(out_dir)
     if args.report_to == "wandb":
         from draftsmith.eval.tracking import log_to_wandb

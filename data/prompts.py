@@ -61,6 +61,8 @@ def read_table(path: str | Path) -> datasets.Dataset:
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[next(iter(loaded))]
         return loaded
+    if path.stat().st_size == 0:
+        raise InvalidInputError(f"{path} is empty (no records)")
     suffixes = [s.lower() for s in path.suffixes]
     kind = suffixes[-2] if suffixes and suffixes[-1] == ".gz" and len(suffixes) > 1 else (suffixes or [""])[-1]
     builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(kind)

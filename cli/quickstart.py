@@ -1,0 +1,151 @@
+"""`draftsmith quickstart`: the whole story on the embedded default target, in one command.
+
+1. fetch the embedded target (SmolLM2-135M-Instruct; `--tiny`: the tiny byte-level LM);
+2. build a training set from the prompts that ship with draftsmith (`data/prompts/quickstart.jsonl`:
+   chat, explanations, reasoning, code, writing) and regenerate the answers with the target;
+3. train a small drafter: Medusa heads, which give the best AL per minute of CPU training (the heads
+   read the target's hidden state, so drafting costs one lm_head product, not a model pass);
+4. evaluate it beside the training-free baselines (early exit, n-gram) and write the reports and plots;
+5. end with a speculative generation demo and its measured speedup over plain decoding.
+
+Everything lands in `--out` (default `runs/quickstart`, or `runs/quickstart-tiny`); a second run reuses
+the regenerated data, the trained drafter and finished reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from draftsmith.data.prompts import load_conversations
+from draftsmith.eval.run import evaluate
+from draftsmith.eval.settings import EvalSettings
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
+from draftsmith.train.config import load_recipe
+from draftsmith.train.data_prep import BUILTIN_PROMPTS
+from draftsmith.train.loop import train
+
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+PLANS = {
+    # name: (target spec, recipe overrides, early-exit layers, eval prompts, eval tokens)
+    "full": ("smollm2-135m-instruct",
+             ["data.limit=null", "data.heldout=20", "data.max_new_tokens=96", "data.max_length=320",
+              "train.steps=150", "train.eval_every=0", "train.eval_prompts=12", "train.eval_max_new_tokens=64",
+              "teacher.mode=offline"],
+             12, 12, 64),
+    "tiny": ("tiny-lm:0:4",
+             ["data.limit=null", "data.heldout=16", "data.max_new_tokens=48", "data.max_length=160",
+              "train.steps=60", "train.eval_every=0", "train.eval_prompts=8", "train.eval_max_new_tokens=32"],
+             1, 8, 32),
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quickstart", help="train, evaluate and demo a drafter for the embedded default target",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="a tiny target and reduced budget (about a minute)")
+    p.add_argument("--out", type=Path, default=None, help="run directory (default runs/quickstart[-tiny])")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 150, --tiny 60)")
+    p.add_argument("--report-to", default="none", choices=["none", "wandb", "tensorboard"])
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = "tiny" if args.tiny else "full"
+    target_spec, overrides, exit_layers, eval_prompts, eval_tokens = PLANS[plan]
+    out = args.out or Path("runs") / ("quickstart-tiny" if args.tiny else "quickstart")
+    progress = not args.no_progress
+    started = time.perf_counter()
+
+    step(1, f"target {target_spec}")
+    target = load_model(target_spec)
+
+    step(2, "training data: the builtin prompts, answered by the target (cached after the first run)")
+    recipe = load_recipe("tiny-medusa", [f"target={target_spec}", f"output_dir={out / 'train'}",
+                                         f"name=quickstart-{plan}", f"tracking.report_to={args.report_to}",
+                                         f"data.cache_dir={out / 'data'}", *overrides,
+                                         *([f"train.steps={args.steps}"] if args.steps else [])])
+    drafter_dir = out / "train" / "drafter"
+    if drafter_dir.is_dir():
+        step(3, f"drafter: reusing {drafter_dir}")
+    else:
+        step(3, f"drafter: {recipe.drafter.num_heads} Medusa heads, {recipe.train.steps} steps")
+        train(recipe, progress=progress)
+
+    step(4, "evaluation against the training-free baselines")
+    prompts = load_conversations(BUILTIN_PROMPTS / "quickstart.jsonl").shuffle(seed=recipe.train.seed)
+    heldout = prompts.select(range(recipe.data.heldout))  # the prompts the drafter never trained on
+    settings = EvalSettings(modes=["greedy"], draft_lens=[2, 3], batch_sizes=[1], max_new_tokens=eval_tokens,
+                            limit=eval_prompts, prompts_path="builtin:quickstart (held out)")
+    rows = []
+    for name, spec in [("medusa (trained)", str(drafter_dir)), (f"early-exit:{exit_layers}", f"early-exit:{exit_layers}"),
+                       ("ngram", "ngram")]:
+        report_dir = out / "eval" / name.split(" ")[0].replace(":", "-")
+        report = load_or_evaluate(target, spec, heldout.select(range(min(eval_prompts, len(heldout)))),
+                                  settings, report_dir, progress)
+        rows.append((name, report, report_dir))
+    write_summary(out, rows, started)
+
+    step(5, "speculative generation demo")
+    demo(target, str(drafter_dir))
+    print(f"\nquickstart finished in {time.perf_counter() - started:.0f} s; reports in {out / 'eval'}, "
+          f"summary in {out / 'quickstart.md'}", file=sys.stderr)
+    return 0
+
+
+def load_or_evaluate(target, spec, prompts, settings, report_dir: Path, progress: bool) -> dict:
+    cached = report_dir / "report.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    return evaluate(target, spec, prompts, settings, out_dir=report_dir, progress=progress).data
+
+
+def best_row(report: dict) -> dict:
+    """The draft length with the highest speculative tokens/s, and the plain baseline of the same run."""
+    speed = report["speed"]
+    plain = next(r for r in speed if r["decoder"] == "plain")
+    best = max((r for r in speed if r["decoder"] != "plain"), key=lambda r: r["tokens_per_s"])
+    accept = next(a for a in report["acceptance"] if a["draft_len"] == best["draft_len"])
+    return {"draft_len": best["draft_len"], "al": accept["al"], "al_ci": accept["al_ci"],
+            "tokens_per_s": best["tokens_per_s"], "plain_tokens_per_s": plain["tokens_per_s"],
+            "speedup": best["tokens_per_s"] / plain["tokens_per_s"]}
+
+
+def write_summary(out: Path, rows, started: float) -> None:
+    lines = ["# draftsmith quickstart", "",
+             "Greedy decoding of held-out builtin prompts, batch 1; each drafter at its fastest draft length.", "",
+             "| drafter | D | AL [95% CI] | tokens/s | plain tokens/s | speedup | report |",
+             "|---|---|---|---|---|---|---|"]
+    for name, report, report_dir in rows:
+        b = best_row(report)
+        lines.append(f"| {name} | {b['draft_len']} | {b['al']:.2f} [{b['al_ci'][0]:.2f}, {b['al_ci'][1]:.2f}] | "
+                     f"{b['tokens_per_s']:.1f} | {b['plain_tokens_per_s']:.1f} | {b['speedup']:.2f}x | "
+                     f"[report]({report_dir.relative_to(out)}/report.md) |")
+        print(f"  {name:20s} D={b['draft_len']}  AL {b['al']:.2f}  {b['tokens_per_s']:.1f} tok/s  "
+              f"({b['speedup']:.2f}x plain)", file=sys.stderr)
+    lines += ["", f"Total time so far: {time.perf_counter() - started:.0f} s.", ""]
+    (out / "quickstart.md").write_text("\n".join(lines))
+
+
+def demo(target, drafter: str) -> None:
+    stops = stop_token_ids(target.model, target.tokenizer)
+    prompt = encode_prompt(target.tokenizer, DEMO_PROMPT, chat=True)
+    plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], max_new_tokens=64)
+    decoder = SpeculativeDecoder(target.model, build_proposer(drafter, target), stop_token_ids=stops)
+    result = decoder.generate([prompt], max_new_tokens=64, draft_len=3)
+    print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n")
+    same = "identical to" if result.tokens == plain.tokens else "DIFFERENT FROM"
+    print(f"speculative: {result.stats.tokens_per_s:.1f} tok/s, AL {result.stats.acceptance_length:.2f}; "
+          f"plain: {plain.stats.tokens_per_s:.1f} tok/s; speedup {result.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; "
+          f"output {same} plain greedy decoding")
+
+
+def step(number: int, text: str) -> None:
+    print(f"[{number}/5] {text}", file=sys.stderr, flush=True)

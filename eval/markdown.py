@@ -1,0 +1,153 @@
+"""report.md: the report as readable tables (all figures are in report.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def render(r: dict, figures: dict[str, Path]) -> str:
+    s = r["settings"]
+    lines = [
+        "# draftsmith eval",
+        "",
+        f"- target: `{r['target']['name']}` (weights {r['target']['weight_hash'][:12]}, "
+        f"tokenizer {r['target']['tokenizer_hash'][:12]}, {r['target']['dtype']} on {r['target']['device']})",
+        f"- drafter: `{r['drafter']['spec']}` ({r['drafter']['kind']}, weights "
+        f"{'shared with the target' if r['drafter']['shares_target_weights'] else _short(r['drafter']['weight_hash'])}"
+        ")",
+        f"- prompts: {r['prompts']['count']} from `{r['prompts']['path']}`; modes {', '.join(s['modes'])}; "
+        f"D in {s['draft_lens']}; batch sizes {s['batch_sizes']}; max_new_tokens {s['max_new_tokens']}; "
+        f"chat {s['chat']}; seed {s['seed']}",
+        f"- wall time: {r['wall_s']:.1f} s; exit code {r['exit_code']}",
+        "",
+    ]
+    if r.get("comparison"):
+        lines += [f"**Verdict: {r['comparison']['verdict']['reason']}**", ""]
+    lines += _exactness(r) + _acceptance(r, s) + _quality(r) + _speed(r) + _memory(r) + _advice(r)
+    if r.get("comparison"):
+        lines += _comparison(r["comparison"], s)
+    if figures:
+        lines += ["## Plots", ""] + [f"![{name}]({Path(path).name})" for name, path in figures.items()] + [""]
+    return "\n".join(lines)
+
+
+def _acceptance(r: dict, s: dict) -> list[str]:
+    ci = f"{s['confidence']:.0%} CI"
+    out = ["## Acceptance (batch size 1, per prompt)", "",
+           f"| mode | D | AL | {ci} | predicted AL | per-position acceptance | rounds | tokens/round histogram |",
+           "|---|---|---|---|---|---|---|---|"]
+    for a in r["acceptance"]:
+        rates = ", ".join("-" if p["rate"] is None else f"{p['rate']:.2f}" for p in a["positions"])
+        hist = " ".join(str(n) for n in a["emitted_hist"][1:])
+        out.append(f"| {a['mode']} | {a['draft_len']} | {a['al']:.3f} | {_ci(a['al_ci'])} | {a['predicted_al']:.3f} "
+                   f"| {rates} | {a['rounds']} | {hist} |")
+    categories = [(a, name, c) for a in r["acceptance"] for name, c in a["by_category"].items()]
+    if categories:
+        out += ["", "By category:", "", f"| mode | D | category | prompts | AL | {ci} |", "|---|---|---|---|---|---|"]
+        out += [f"| {a['mode']} | {a['draft_len']} | {name} | {c['prompts']} | {c['al']:.3f} | {_ci(c['al_ci'])} |"
+                for a, name, c in categories]
+    return out + [""]
+
+
+def _exactness(r: dict) -> list[str]:
+    e = r["exactness"]
+    g = e["greedy"]
+    out = ["## Exactness", ""]
+    if g is not None:
+        out.append(f"Greedy: {g['share_identical']:.1%} of outputs token-identical to plain greedy decoding "
+                   f"({g['errors']} errors, {g['near_ties']} near-ties within {g['tie_tolerance']:g} logits): "
+                   f"{'pass' if g['passed'] else 'FAIL'}.")
+        for d in g["divergences"]:
+            out.append(f"- prompt {d['prompt_id']} (D={d['draft_len']}, B={d['batch_size']}): first difference at "
+                       f"token {d['position']}, plain {d['plain_token']} vs {d['got_token']}, target margin "
+                       f"{d['margin']:.3g} -> {d['kind']}")
+    for f in e["sampling"]:
+        out.append(f"Sampling {f['mode']} (D={f['draft_len']}): {len(f['contexts'])} contexts x "
+                   f"{f['samples_per_side']} samples per side, first {f['tokens_per_sample']} tokens; "
+                   f"mean TV {f['mean_tv']:.3f}, chi2 {f['chi2']:.1f} on {f['dof']} dof, p = {f['p_value']:.3g}: "
+                   f"{'pass' if f['passed'] else 'FAIL'} (alpha {f['alpha']:g}).")
+    return out + [""]
+
+
+def _quality(r: dict) -> list[str]:
+    out = ["## Quality", "", "| mode | decoder | D | NLL/token | CI | ROUGE-L F1 | CI |",
+           "|---|---|---|---|---|---|---|"]
+    for q in r["quality"]:
+        ref = q["reference_metric"]
+        ref_cells = f"{ref['value']:.3f} | {_ci(ref['ci'])}" if ref else "- | -"
+        out.append(f"| {q['mode']} | {q['decoder']} | {q['draft_len']} | {q['nll_per_token']:.3f} | "
+                   f"{_ci(q['nll_ci'])} | {ref_cells} |")
+    return out + [""]
+
+
+def _speed(r: dict) -> list[str]:
+    out = ["## Speed", "", "| mode | B | decoder | D | tokens/s | speedup | TTFT p50 s | latency p50/p95/p99 ms "
+           "| s per 1k tokens | AL |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for v in r["speed"]:
+        lat = "/".join(_num(v["latency_ms"][q], 1) for q in ("p50", "p95", "p99"))
+        out.append(f"| {v['mode']} | {v['batch_size']} | {v['decoder']} | {v['draft_len']} | {v['tokens_per_s']:.1f} "
+                   f"| {_num(v.get('speedup'), 2)} | {_num(v['ttft_s']['p50'], 3)} | {lat} "
+                   f"| {_num(v['compute_s_per_1k_tokens'], 1)} | {_num(v['al'], 2)} |")
+    return out + [""]
+
+
+def _memory(r: dict) -> list[str]:
+    m = r["memory"]
+    out = ["## Memory (MiB)", "", "| B | context | target weights | drafter weights | target KV | drafter KV | total "
+           "| measured peak |", "|---|---|---|---|---|---|---|---|"]
+    peaks = {p["batch_size"]: p["peak_bytes"] for p in m["measured"]["per_batch_size"]}
+    for row in m["ledger"]:
+        out.append(f"| {row['batch_size']} | {row['context_len']} | {_mib(row['target_weights'])} | "
+                   f"{_mib(row['drafter_weights'])} | {_mib(row['target_kv'])} | {_mib(row['drafter_kv'])} | "
+                   f"{_mib(row['total'])} | {_mib(peaks.get(row['batch_size']))} |")
+    return out + ["", f"Measured: {m['measured']['kind']}; drafter weights: {m['ledger'][0]['drafter_weights_note']}.",
+                  ""]
+
+
+def _advice(r: dict) -> list[str]:
+    out = ["## Draft-length advice", "", "| mode | B | recommended D | expected speedup | measured best D "
+           "| agrees | expected tokens/s by D |", "|---|---|---|---|---|---|---|"]
+    for a in r["advice"]:
+        rec = next(e for e in a["expected"] if e["draft_len"] == a["recommended_draft_len"])
+        by_d = ", ".join(f"{e['draft_len']}: {e['expected_tokens_per_s']:.1f}" for e in a["expected"])
+        out.append(f"| {a['mode']} | {a['batch_size']} | {a['recommended_draft_len']} | {rec['expected_speedup']:.2f} "
+                   f"| {a['measured_best_draft_len']} | {'yes' if a['agrees'] else 'no'} | {by_d} |")
+    return out + ["", "D = 0 means plain decoding.", ""]
+
+
+def _comparison(c: dict, s: dict) -> list[str]:
+    out = ["## Change against the baseline", "", f"Baseline: `{c['baseline']}` (target "
+           f"{_short(c['baseline_target']['weight_hash'])}). Rule: {c['rule']}.", "",
+           "| mode | D | AL old | AL new | change | CI | decision | per-position change |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in c["rows"]:
+        al = row["al"]
+        positions = ", ".join(_num(p["change"], 2) for p in row["positions"])
+        out.append(f"| {row['mode']} | {row['draft_len']} | {al['old']:.3f} | {al['new']:.3f} | "
+                   f"{_pct(al['relative'])} | {_pct(al['relative_ci'][0])} to {_pct(al['relative_ci'][1])} | "
+                   f"{row['decision']} | {positions} |")
+    for row in c["rows"]:
+        for name, al in row["by_category"].items():
+            out.append(f"- {row['mode']} D={row['draft_len']} {name}: {al['old']:.2f} -> {al['new']:.2f} "
+                       f"({_pct(al['relative'])}, CI {_pct(al['relative_ci'][0])} to {_pct(al['relative_ci'][1])})")
+    return out + [""]
+
+
+def _ci(ci) -> str:
+    return f"[{_num(ci[0], 3)}, {_num(ci[1], 3)}]" if ci else "-"
+
+
+def _num(value, digits: int) -> str:
+    return "-" if value is None or value != value else f"{value:.{digits}f}"
+
+
+def _pct(value) -> str:
+    return "-" if value is None or value != value else f"{value:+.1%}"
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f}"
+
+
+def _short(value) -> str:
+    return value[:12] if value else "-"

@@ -1,0 +1,112 @@
+"""Memory: a ledger computed from the configs, beside the measured peak.
+
+KV cache bytes = 2 (keys and values) * layers * kv_heads * head_dim * context * batch * bytes per element,
+at context = the longest prompt + max_new_tokens + D_max (the verification slots of the last round).
+Weights are counted once per tensor (tied embeddings once); an early-exit drafter shares the target's
+weights, so it adds none; n-gram lookup holds neither weights nor a cache.
+
+Measured: on CUDA, torch.cuda.max_memory_allocated (reset before each batch size's passes); on CPU the
+process's peak resident set (getrusage ru_maxrss), which only grows, so the figure after each batch size
+is the peak so far, including the Python runtime and libraries.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer, Proposer
+
+
+def weight_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
+    skip = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() in seen or p.data_ptr() in skip:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(config, layers: int | None = None, element_size: int = 4) -> int:
+    """Bytes of keys and values one token occupies in a full-attention cache of this config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * (layers or config.num_hidden_layers) * kv_heads * head_dim * element_size
+
+
+def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int, batch_sizes: list[int]) -> list[dict]:
+    element = next(target.parameters()).element_size()
+    target_weights = weight_bytes(target)
+    drafter_weights, drafter_kv_per_token, sharing = _drafter_footprint(target, proposer)
+    rows = []
+    for batch in batch_sizes:
+        target_kv = kv_bytes_per_token(target.config, element_size=element) * context_len * batch
+        drafter_kv = drafter_kv_per_token * context_len * batch
+        rows.append({
+            "batch_size": batch,
+            "context_len": context_len,
+            "target_weights": target_weights,
+            "drafter_weights": drafter_weights,
+            "drafter_weights_note": sharing,
+            "target_kv": target_kv,
+            "drafter_kv": drafter_kv,
+            "total": target_weights + drafter_weights + target_kv + drafter_kv,
+        })
+    return rows
+
+
+def _drafter_footprint(target, proposer) -> tuple[int, int, str]:
+    """(extra weight bytes, KV bytes per token, a note on sharing) of a drafter."""
+    if proposer is None or isinstance(proposer, NGramProposer):
+        return 0, 0, "none (prompt lookup)"
+    if isinstance(proposer, EarlyExitProposer):
+        element = next(target.parameters()).element_size()
+        per_token = kv_bytes_per_token(proposer.model.config, proposer.num_layers, element)
+        return 0, per_token, f"shared with the target (its first {proposer.num_layers} layers)"
+    if isinstance(proposer, DraftModelProposer):
+        element = next(proposer.model.parameters()).element_size()
+        return weight_bytes(proposer.model), kv_bytes_per_token(proposer.model.config, element_size=element), "own"
+    heads = getattr(proposer, "heads", None)  # Medusa: heads only, the lm_head may be the target's
+    if isinstance(heads, torch.nn.Module):
+        return weight_bytes(heads, exclude=target), 0, "own heads; lm_head shared when not owned"
+    return 0, 0, f"unknown ({type(proposer).__name__})"
+
+
+class PeakMemory:
+    """The peak memory of the decoding, per batch size (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.rows: list[dict] = []
+
+    @property
+    def kind(self) -> str:
+        return "cuda_max_memory_allocated" if self.device.type == "cuda" else "process_peak_rss"
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def record(self, batch_size: int) -> None:
+        self.rows.append({"batch_size": batch_size, "peak_bytes": self.peak_bytes()})
+
+    def peak_bytes(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+
+    def to_dict(self) -> dict:
+        record = {"kind": self.kind, "per_batch_size": self.rows}
+        try:  # the current resident set too, where psutil is installed
+            import psutil
+
+            record["rss_bytes_at_end"] = psutil.Process().memory_info().rss
+        except ImportError:
+            pass
+        return record

@@ -1,0 +1,31 @@
+"""`draftsmith quickstart --tiny`: the whole flow on the tiny target with a reduced budget."""
+
+import json
+
+import pytest
+
+from draftsmith.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    for n in range(1, 6):
+        assert f"[{n}/5]" in err
+    assert "speedup" in err and "identical to plain greedy" in err
+    summary = (out / "quickstart.md").read_text()
+    assert "medusa (trained)" in summary and "early-exit:1" in summary and "ngram" in summary
+    reports = {p.parent.name: json.loads(p.read_text()) for p in (out / "eval").glob("*/report.json")}
+    assert set(reports) == {"medusa", "early-exit-1", "ngram"}
+    assert all(r["exactness"]["passed"] for r in reports.values())
+    assert list((out / "eval" / "medusa").glob("*.png"))
+    trained = max(a["al"] for a in reports["medusa"]["acceptance"])
+    assert trained > 1.2  # the trained heads are accepted, not just exact
+
+    stamp = (out / "train" / "drafter" / "config.json").stat().st_mtime_ns
+    assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
+    assert "reusing" in capsys.readouterr().err
+    assert (out / "train" / "drafter" / "config.json").stat().st_mtime_ns == stamp

@@ -1,0 +1,72 @@
+"""`evaluate` called directly: a random drafter, a lossy verifier, sampling fidelity."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.data.prompts import load_conversations
+from draftsmith.eval.fidelity import fidelity_check, make_contexts
+from draftsmith.eval.report import EXIT_INEXACT
+from draftsmith.eval.run import evaluate
+from draftsmith.eval.settings import EvalSettings
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.verify import verify_native
+
+
+def accept_everything(logits, tokens, lens, probs, temperature, top_k, top_p, accept_u, race_exp):
+    """A lossy verifier: u = 0 accepts every draft token with p > 0 (all of them at T = 1)."""
+    return verify_native(logits, tokens, lens, probs, temperature, top_k, top_p, torch.zeros_like(accept_u), race_exp)
+
+
+@pytest.fixture(scope="module")
+def target(models):
+    return load_model(str(models / "target"))
+
+
+@pytest.fixture(scope="module")
+def prompts(prompt_file):
+    return load_conversations(prompt_file)
+
+
+def small(**overrides):
+    values = dict(modes=["greedy"], draft_lens=[2], batch_sizes=[1], max_new_tokens=9,
+                  fidelity_contexts=2, fidelity_samples=100, timing_reps=1)
+    return EvalSettings(**{**values, **overrides})
+
+
+def test_random_drafter_gives_al_near_one(target, prompts, models, tmp_path):
+    report = evaluate(target, str(models / "random"), prompts, small(), progress=False, out_dir=tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["acceptance"] == report.data["acceptance"]
+    (row,) = report.data["acceptance"]
+    assert 1.0 <= row["al"] < 1.3
+    assert row["positions"][0]["rate"] < 0.3
+    assert report.data["exactness"]["greedy"]["share_identical"] == 1.0
+    assert report.exit_code == 0 and report.verdict is None
+
+
+def test_lossy_verifier_fails_the_run(target, prompts, models):
+    report = evaluate(target, str(models / "random"), prompts.select(range(2)),
+                              small(modes=["sample:1.0"], max_new_tokens=6), verifier=accept_everything,
+                              progress=False)
+    (fidelity,) = report.data["exactness"]["sampling"]
+    assert not fidelity["passed"] and fidelity["p_value"] < 1e-6
+    assert report.exit_code == EXIT_INEXACT
+
+
+@pytest.mark.parametrize("verifier, passes", [(verify_native, True), (accept_everything, False)])
+def test_fidelity_check_tells_exact_from_lossy(target, models, verifier, passes):
+    proposer = build_proposer(str(models / "random"), target)
+    spec = SpeculativeDecoder(target.model, proposer, verifier=verifier)
+    plain = SpeculativeDecoder(target.model, None)
+    prompts = [[1, 104, 105, 32, 116, 104, 101, 114, 101], [1, 97, 98, 99]]
+    greedy = [plain.generate([p], max_new_tokens=8).tokens[0] for p in prompts]
+    contexts = make_contexts(prompts, greedy, 4, window=64)
+    assert [c["generated_prefix"] for c in contexts] == [int(len(greedy[k % 2]) * (k + 0.5) / 4) for k in range(4)]
+    settings = small(modes=["sample:1.0"], fidelity_samples=200)
+    result = fidelity_check(spec, plain, contexts, "sample:1.0", 2, settings)
+    assert result["passed"] is passes
+    assert result["samples_per_side"] == 200 and result["dof"] > 0
+    assert (result["p_value"] >= 0.01) if passes else (result["p_value"] < 1e-6)
