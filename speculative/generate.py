@@ -27,7 +27,7 @@ from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
-from draftsmith.speculative.verify import VerifyOutput, verify_native
+from draftsmith.speculative.verify import VerifyOutput
 
 Verifier = Callable[..., VerifyOutput]
 
@@ -118,13 +118,20 @@ class SpeculativeDecoder:
         proposer: Proposer | None = None,
         *,
         stop_token_ids: list[int] | tuple[int, ...] = (),
-        verifier: Verifier = verify_native,
+        verifier: Verifier | str = "auto",
     ):
+        """`verifier`: a callable with verify_native's signature, or a mode for
+        `kernels.select_verifier`: "auto" (the fused Triton kernel on CUDA, the reference elsewhere),
+        "native" or "triton"; the DRAFTSMITH_VERIFIER environment variable overrides a mode."""
         self.target = target
         self.proposer = proposer
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
-        self.verifier = verifier
         self.device = next(target.parameters()).device
+        if isinstance(verifier, str):
+            from draftsmith.speculative.kernels import select_verifier
+
+            verifier = select_verifier(self.device, verifier)
+        self.verifier = verifier
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
     @torch.inference_mode()

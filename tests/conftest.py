@@ -9,6 +9,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# CI has no GPU: Triton kernels run on its CPU interpreter, which reads this before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from draftsmith.speculative.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
