@@ -140,11 +140,12 @@ def demo(target, drafter: str) -> None:
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], max_new_tokens=64)
     decoder = SpeculativeDecoder(target.model, build_proposer(drafter, target), stop_token_ids=stops)
     result = decoder.generate([prompt], max_new_tokens=64, draft_len=3)
-    print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n")
+    # The text goes to stdout, its statistics to stderr, as in `draftsmith generate`.
+    print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n", flush=True)
     same = "identical to" if result.tokens == plain.tokens else "DIFFERENT FROM"
     print(f"speculative: {result.stats.tokens_per_s:.1f} tok/s, AL {result.stats.acceptance_length:.2f}; "
           f"plain: {plain.stats.tokens_per_s:.1f} tok/s; speedup {result.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; "
-          f"output {same} plain greedy decoding")
+          f"output {same} plain greedy decoding", file=sys.stderr)
 
 
 def step(number: int, text: str) -> None:

@@ -14,6 +14,7 @@ from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
 from draftsmith.speculative.proposers import DraftModelProposer, truncated_model
+from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
 
 PROMPTS = [[1, 72, 101, 108, 108, 111, 32], [1, 65, 66]]
@@ -74,7 +75,8 @@ def test_drafter_for_another_target_is_refused(loaded_target, other_target, tmp_
         build_proposer(str(out), other_target)
     assert err.value.exit_code == 2 and "\n" not in str(err.value)
     proposer = build_proposer(str(out), other_target, allow_target_mismatch=True)  # exact all the same
-    decoder = SpeculativeDecoder(other_target.model, proposer)
+    stops = stop_token_ids(other_target.model, other_target.tokenizer)  # HF greedy stops at EOS too
+    decoder = SpeculativeDecoder(other_target.model, proposer, stop_token_ids=stops)
     assert decoder.generate([PROMPTS[1]], max_new_tokens=12, draft_len=2).tokens[0] == greedy(other_target.model, PROMPTS[1], 12)
 
 
