@@ -1,0 +1,94 @@
+"""Acceptance length of several drafters on the same prompts, side by side in one run.
+
+    python benchmarks/acceptance.py --drafters runs/draft-lm-smollm2/drafter,runs/medusa-smollm2/drafter,early-exit:12,ngram \
+        [--prompts 50] [--draft-len 4] [--max-new-tokens 128] [--batch-size 10] [--json out.json]
+
+Greedy decoding of chat prompts spread over ../shared/data/eval_prompts/vicuna_bench.jsonl and
+arena_hard_v0.1.jsonl. Greedy speculation is exact, so each row's tokens (and therefore its AL) are the
+same in any batch; prompts are decoded in batches only to make the run affordable on a CPU. Every
+drafter's output is checked against the first drafter's (all must equal plain greedy decoding). For
+speed figures at batch 1 use benchmarks/speedup.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.prompts import load_conversations
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval_prompts"
+
+
+def eval_prompts(count: int) -> list:
+    """Half from vicuna_bench (spread over its categories), half from arena-hard."""
+    vicuna = load_conversations(SHARED / "vicuna_bench.jsonl")
+    arena = load_conversations(SHARED / "arena_hard_v0.1.jsonl")
+    half = count // 2
+    picks = [vicuna[i] for i in range(0, len(vicuna), max(len(vicuna) // half, 1))][:half]
+    picks += [arena[i] for i in range(0, len(arena), max(len(arena) // (count - half), 1))][: count - half]
+    return picks
+
+
+def measure(target, spec, prompts, args, stops):
+    proposer = build_proposer(spec, target)
+    decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
+    outputs, rounds, tokens, hist = [], 0, 0, None
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for begin in range(0, len(prompts), args.batch_size):
+            result = decoder.generate(prompts[begin:begin + args.batch_size], max_new_tokens=args.max_new_tokens,
+                                      draft_len=args.draft_len)
+            outputs += result.tokens
+            stats = result.stats
+            rounds += stats.rounds
+            tokens += sum(k * n for k, n in enumerate(stats.emitted_hist))
+            hist = stats.emitted_hist if hist is None else [a + b for a, b in zip(hist, stats.emitted_hist)]
+    seconds = time.perf_counter() - start
+    return outputs, {"drafter": spec, "acceptance_length": tokens / max(rounds, 1), "rounds": rounds,
+                     "emitted_hist": hist, "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--drafters", required=True, help="comma-separated drafter specs")
+    parser.add_argument("--prompts", type=int, default=50)
+    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    target = load_model(args.target)
+    stops = stop_token_ids(target.model, target.tokenizer)
+    prompts = [encode_prompt(target.tokenizer, row["messages"], chat=True) for row in eval_prompts(args.prompts)]
+    rows, reference = [], None
+    for spec in args.drafters.split(","):
+        outputs, row = measure(target, spec, prompts, args, stops)
+        reference = reference or outputs
+        row["identical_outputs"] = sum(a == b for a, b in zip(outputs, reference))
+        rows.append(row)
+        print(f"{spec}: AL {row['acceptance_length']:.3f} in {row['seconds']:.0f} s", file=sys.stderr, flush=True)
+    print(f"\ntarget {target.name}; {len(prompts)} prompts (vicuna_bench + arena-hard), greedy, D={args.draft_len}, "
+          f"{args.max_new_tokens} new tokens, batches of {args.batch_size}")
+    print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s}")
+    for r in rows:
+        print(f"{r['drafter']:45s} {r['acceptance_length']:6.3f} {r['rounds']:7d} {r['seconds']:8.0f} "
+              f"{r['identical_outputs']:>5d}/{len(prompts)}")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
