@@ -122,15 +122,19 @@ class SpeculativeDecoder:
     ):
         """`verifier`: a callable with verify_native's signature, or a mode for
         `kernels.select_verifier`: "auto" (the fused Triton kernel on CUDA, the reference elsewhere),
-        "native" or "triton"; the DRAFTSMITH_VERIFIER environment variable overrides a mode."""
+        "native" or "triton"; the DRAFTSMITH_VERIFIER environment variable overrides a mode.
+        A kernel chosen by mode draws its random numbers in the kernel (Philox, keyed by each
+        request's seed); a callable is always given explicit noise from the per-request generators."""
         self.target = target
         self.proposer = proposer
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
         self.device = next(target.parameters()).device
+        self.noise_in_kernel = False
         if isinstance(verifier, str):
-            from draftsmith.speculative.kernels import select_verifier
+            from draftsmith.speculative.kernels import select_verifier, verify_fused
 
             verifier = select_verifier(self.device, verifier)
+            self.noise_in_kernel = verifier is verify_fused
         self.verifier = verifier
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
@@ -248,14 +252,16 @@ class _Run:
         return out.logits, (out.hidden_states[-1] if wants_hidden else None)
 
     def verify(self, logits: torch.Tensor, draft: Draft) -> VerifyOutput:
-        sampled = (~self.sampling.greedy).tolist()
-        lens = draft.lens.tolist()
-        accept_u = self.rng.uniform([n if s else 0 for n, s in zip(lens, sampled)], draft.tokens.shape[1])
-        race_exp = self.rng.exponential(sampled, logits.shape[-1])
         s = self.sampling
-        return self.d.verifier(
-            logits, draft.tokens, draft.lens, draft.probs, s.temperature, s.top_k, s.top_p, accept_u, race_exp
-        )
+        args = (logits, draft.tokens, draft.lens, draft.probs, s.temperature, s.top_k, s.top_p)
+        if self.d.noise_in_kernel:
+            seeds, offsets = self.rng.philox_keys()
+            return self.d.verifier(*args, None, None, seeds=seeds, offsets=offsets)
+        sampled = (~s.greedy).tolist()
+        lens = draft.lens.tolist()
+        accept_u = self.rng.uniform([n if x else 0 for n, x in zip(lens, sampled)], draft.tokens.shape[1])
+        race_exp = self.rng.exponential(sampled, logits.shape[-1])
+        return self.d.verifier(*args, accept_u, race_exp)
 
     def accept(self, out: VerifyOutput, draft: Draft, hidden: torch.Tensor | None) -> None:
         num_accepted = out.num_accepted.tolist()

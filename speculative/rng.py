@@ -4,6 +4,10 @@ Each request (batch row) owns a `torch.Generator` seeded with its own seed, and 
 row consumes comes from its own stream, in an order that depends only on that row. So a seeded request
 gives the same output whether it runs alone or inside any batch, and a rerun repeats it exactly. Rows
 that need no randomness (greedy rows, empty drafts) draw nothing.
+
+The fused verifier draws its noise in the kernel (Philox) instead, keyed by the row's seed and a
+counter offset; `philox_keys` hands out a fresh offset per row and verification round, so those draws
+are per row and batch-independent too.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ class RowGenerators:
 
     def __init__(self, seeds: list[int], device: torch.device | str = "cpu"):
         self.device = torch.device(device)
+        self.seeds = [int(seed) % 2**63 for seed in seeds]  # the in-kernel Philox key is an int64
+        self.rounds = [0] * len(seeds)  # verification rounds each row has drawn Philox keys for
         self.generators = []
         for seed in seeds:
             g = torch.Generator(device=self.device)
@@ -27,6 +33,14 @@ class RowGenerators:
 
     def select(self, rows: list[int]) -> None:
         self.generators = [self.generators[i] for i in rows]
+        self.seeds = [self.seeds[i] for i in rows]
+        self.rounds = [self.rounds[i] for i in rows]
+
+    def philox_keys(self) -> tuple[torch.Tensor, torch.Tensor]:  # ([B] int64 seeds, [B] int64 offsets)
+        """Each row's seed and a counter offset it has never used, for one round of in-kernel draws."""
+        offsets = torch.tensor(self.rounds, dtype=torch.int64, device=self.device)
+        self.rounds = [r + 1 for r in self.rounds]
+        return torch.tensor(self.seeds, dtype=torch.int64, device=self.device), offsets
 
     def uniform(self, counts: list[int], width: int) -> torch.Tensor:  # [B, width] float32 in [0, 1)
         """Row b draws counts[b] uniforms (left-aligned); the rest of its row is 0."""

@@ -152,3 +152,38 @@ def test_greedy_row_in_sampled_batch_is_exact(target, random_drafter):
     result = decoder.generate([prompt, prompt], [SamplingParams(1.0, seed=3), SamplingParams(0.0)],
                               max_new_tokens=16, draft_len=4)
     assert result.tokens[1] == reference[0, len(prompt):].tolist()
+
+
+def fused_kernel_on_cpu() -> bool:
+    """The runtime's tiny models live on the CPU, so the fused path runs there under the Triton interpreter."""
+    from draftsmith.speculative import kernels
+
+    return kernels.interpreting()
+
+
+needs_interpreter = pytest.mark.skipif(not fused_kernel_on_cpu(), reason="needs triton with TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["random-drafter", "filtered"])
+def test_fused_verifier_draws_in_kernel_and_emits_the_target_distribution(name, small_target, small_drafter):
+    params = FILTERED if name == "filtered" else PARAMS
+    assert SpeculativeDecoder(small_target, None, verifier="triton").noise_in_kernel
+    tokens, _ = sample_runtime(small_target, DraftModelProposer(small_drafter), params, verifier="triton")
+    pvalues = fit_pvalues(tokens, exact_marginals(small_target, params))
+    assert len(pvalues) == 3 and min(pvalues) > 1e-3, pvalues
+
+
+@needs_interpreter
+def test_fused_verifier_seeded_runs_repeat_and_batches_equal_solo_rows(target, random_drafter):
+    prompts = [[1, 72, 105, 33], [1, 65, 66, 67, 68, 69, 70], [1, 40]]
+    params = [SamplingParams(0.9, seed=5), SamplingParams(0.0), SamplingParams(1.2, top_k=20, top_p=0.95, seed=9)]
+    decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter), verifier="triton")
+    first = decoder.generate(prompts, params, max_new_tokens=8, draft_len=3).tokens
+    assert decoder.generate(prompts, params, max_new_tokens=8, draft_len=3).tokens == first
+    solo = [decoder.generate([p], [s], max_new_tokens=8, draft_len=3).tokens[0] for p, s in zip(prompts, params)]
+    assert first == solo
+    greedy = SpeculativeDecoder(target, None).generate(prompts[1:2], max_new_tokens=8).tokens[0]
+    assert first[1] == greedy  # the greedy row of the mixed batch is the target's greedy decoding
+    other_seed = decoder.generate(prompts[:1], [SamplingParams(0.9, seed=6)], max_new_tokens=8, draft_len=3).tokens
+    assert other_seed[0] != first[0]
