@@ -11,7 +11,8 @@ def render(r: dict, figures: dict[str, Path]) -> str:
         "# draftsmith eval",
         "",
         f"- target: `{r['target']['name']}` (weights {r['target']['weight_hash'][:12]}, "
-        f"tokenizer {r['target']['tokenizer_hash'][:12]}, {r['target']['dtype']} on {r['target']['device']})",
+        f"tokenizer {r['target']['tokenizer_hash'][:12]}, {r['target']['dtype']} on {r['target']['device']}; "
+        f"verifier {r.get('verifier', 'verify_native')})",
         f"- drafter: `{r['drafter']['spec']}` ({r['drafter']['kind']}, weights "
         f"{'shared with the target' if r['drafter']['shares_target_weights'] else _short(r['drafter']['weight_hash'])}"
         ")",

@@ -41,7 +41,6 @@ from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, state_dict_hash, tokenizer_hash
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer
-from draftsmith.speculative.verify import verify_native
 
 
 def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, settings: EvalSettings, *,
@@ -51,7 +50,8 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     data/prompts.py shape) and return the report; with `out_dir`, also write report.json, report.md and
     the plots there (refusing a non-empty directory, as the CLI does without --overwrite).
 
-    `verifier` replaces verify_native (tests inject lossy ones). `baseline` is an earlier report (a path,
+    `verifier` replaces the runtime's own choice (the fused kernel on CUDA, verify_native elsewhere;
+    tests inject lossy ones). `baseline` is an earlier report (a path,
     or a dict from verdict.load_baseline): this run is compared with it and judged keep / retune.
     """
     started = time.perf_counter()
@@ -73,7 +73,7 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     if proposer is None:
         raise InvalidInputError("eval needs a drafter (--drafter DIR, early-exit:N or ngram)")
     stops = stop_token_ids(target.model, target.tokenizer)
-    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier or verify_native)
+    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier or "auto")
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     work = _Work(spec, plain, encoded, settings, progress)
 
@@ -90,6 +90,7 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": settings.to_dict(),
         "target": target_identity(target, device),
+        "verifier": getattr(spec.verifier, "__name__", type(spec.verifier).__name__),
         "drafter": drafter_identity(drafter_spec, proposer, target),
         "prompts": {"path": settings.prompts_path, "column": settings.prompt_column, "count": len(prompts),
                     "fingerprint": fingerprint, "categories": _counts(categories),
