@@ -93,7 +93,8 @@ def retune(options: RetuneOptions) -> dict:
     }
     share = (result["tokens_trained"] / scratch["tokens_trained"]) if scratch.get("tokens_trained") else None
     report(f"re-tuned: held-out AL {before:.3f} -> {after:.3f} (old target: {fmt(old_level)}) in "
-           f"{summary['steps']} steps, {summary['train_seconds']:.0f} s of training, {summary['tokens_trained']:,} tokens"
+           f"{summary['steps']} steps, {summary['train_seconds']:.0f} s of training ({result['wall_seconds']:.0f} s in all, "
+           f"regeneration and AL checks included), {summary['tokens_trained']:,} tokens"
            + (f" ({share:.0%} of the tokens the original training used)" if share is not None else "")
            + f"; new drafter in {result['drafter']}")
     return result
