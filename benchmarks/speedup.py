@@ -1,6 +1,7 @@
 """Speculative decoding speed on the embedded target, side by side in one run.
 
-    python benchmarks/speedup.py [--drafter early-exit:10 | DIR | ngram] [--prompts N] [--reps 3] [--json out.json]
+    python benchmarks/speedup.py [--drafter early-exit:10 | DIR | ngram] [--prompts N] [--reps 3]
+                                 [--draft-lens 2,4] [--confidences 0,0.4] [--json out.json]
 
 Batch 1, greedy, 128 new tokens, chat prompts from ../shared/data/eval_prompts/vicuna_bench.jsonl spread
 over its categories. Each system decodes every prompt; a repetition is one pass over all prompts, and the
@@ -8,9 +9,13 @@ table reports the median over repetitions of total tokens / total seconds:
 
 - `hf generate`: the target's own `generate`, no drafter (the baseline);
 - `hf assisted D=k`: Hugging Face assisted generation with the same drafter as `assistant_model`, a
-  constant k draft tokens per round (confidence-based early stopping off), and its default heuristic
-  schedule;
-- `draftsmith D=k`: draftsmith's runtime with the same drafter.
+  constant k draft tokens per round (confidence-based early stopping off); `hf assisted D=k c=x`: the
+  same with its `assistant_confidence_threshold` x (a draft stops after a token the drafter gives less
+  than x); and `hf assisted heuristic`, its default schedule (k from 20, +2 after a fully accepted
+  draft, -1 otherwise, threshold 0.4);
+- `draftsmith D=k [c=x]`: draftsmith's runtime with the same drafter, D and confidence stop
+  (`draft_confidence=x`), hence the same drafts and the same acceptance: the ratio of the two is the
+  runtimes' own overhead.
 
 Hugging Face assisted generation needs a draft *model*; for Medusa heads or n-gram lookup its rows are
 left out and the table compares draftsmith with plain decoding only.
@@ -56,14 +61,14 @@ class PassCounter:
         self.count += 1
 
 
-def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="constant"):
+def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="constant", confidence=0.0):
     outputs, tokens, passes = [], 0, 0
     counter = PassCounter(model)
     kwargs = {}
     if assistant is not None:
         assistant.generation_config.num_assistant_tokens = draft_len or 20
         assistant.generation_config.num_assistant_tokens_schedule = schedule
-        assistant.generation_config.assistant_confidence_threshold = 0.0 if schedule == "constant" else 0.4
+        assistant.generation_config.assistant_confidence_threshold = confidence if schedule == "constant" else 0.4
         kwargs["assistant_model"] = assistant
     start = time.perf_counter()
     for ids in prompts:
@@ -80,11 +85,11 @@ def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="c
     return outputs, tokens / elapsed, tokens / max(passes, 1)
 
 
-def time_draftsmith(decoder, prompts, max_new, draft_len):
+def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0):
     outputs, tokens, rounds = [], 0, 0
     start = time.perf_counter()
     for ids in prompts:
-        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len)
+        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence)
         outputs.append(result.tokens[0])
         tokens += result.stats.new_tokens
         rounds += result.stats.rounds
@@ -100,6 +105,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-lens", default="2,4")
+    parser.add_argument("--confidences", default="0",
+                        help="comma list of confidence stops per D (0 = a fixed D); each gives an hf and a draftsmith row")
+    parser.add_argument("--no-heuristic", action="store_true", help="leave out HF's heuristic schedule")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -114,19 +122,24 @@ def main(argv=None) -> int:
     target.model.generation_config.eos_token_id = stops
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
     plain_decoder = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
-    draft_lens = [int(x) for x in args.draft_lens.split(",")]
+    settings = [(int(d), float(c)) for d in args.draft_lens.split(",") for c in args.confidences.split(",")]
+
+    def label(d, c):
+        return f"D={d}" + (f" c={c:g}" if c else "")
 
     systems = {"hf generate": lambda: time_hf(target.model, prompts, args.max_new_tokens),
                "draftsmith plain": lambda: time_draftsmith(plain_decoder, prompts, args.max_new_tokens, 0)}
-    if assistant is not None:
-        for d in draft_lens:
-            systems[f"hf assisted D={d}"] = lambda d=d: time_hf(target.model, prompts, args.max_new_tokens, assistant, d)
+    for d, c in settings:
+        if assistant is not None:
+            systems[f"hf assisted {label(d, c)}"] = lambda d=d, c=c: time_hf(
+                target.model, prompts, args.max_new_tokens, assistant, d, confidence=c)
+        systems[f"draftsmith {label(d, c)}"] = lambda d=d, c=c: time_draftsmith(
+            decoder, prompts, args.max_new_tokens, d, c)
+    if assistant is not None and not args.no_heuristic:
         systems["hf assisted heuristic"] = lambda: time_hf(target.model, prompts, args.max_new_tokens, assistant,
                                                            schedule="heuristic")
-    else:
+    if assistant is None:
         print(f"{args.drafter} is not a draft model: no Hugging Face assisted generation rows", file=sys.stderr)
-    for d in draft_lens:
-        systems[f"draftsmith D={d}"] = lambda d=d: time_draftsmith(decoder, prompts, args.max_new_tokens, d)
 
     results = {name: [] for name in systems}
     reference = None
@@ -153,10 +166,15 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['system']:26s} {r['tokens_per_s']:8.2f} {r['acceptance_length']:6.2f} "
               f"{r['speedup_vs_hf_generate']:7.2f}x {r['exact_outputs']:>7s}")
-    for d in draft_lens if assistant is not None else []:
-        ours = next(r for r in rows if r["system"] == f"draftsmith D={d}")
-        hf = next(r for r in rows if r["system"] == f"hf assisted D={d}")
-        print(f"draftsmith / hf assisted at D={d}: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+    for d, c in settings if assistant is not None else []:
+        ours = next(r for r in rows if r["system"] == f"draftsmith {label(d, c)}")
+        hf = next(r for r in rows if r["system"] == f"hf assisted {label(d, c)}")
+        print(f"draftsmith / hf assisted at {label(d, c)}: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+    if assistant is not None and not args.no_heuristic:
+        best = max((r for r in rows if r["system"].startswith("draftsmith D=")), key=lambda r: r["tokens_per_s"])
+        hf = max((r for r in rows if r["system"].startswith("hf assisted")), key=lambda r: r["tokens_per_s"])
+        print(f"best draftsmith ({best['system']}) / best hf assisted ({hf['system']}): "
+              f"{best['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"prompts_file": str(args.prompts_file),
                                                                     "json": str(args.json)}, "rows": rows}, indent=2))

@@ -21,6 +21,7 @@ _SETTING_FLAGS = {
     "limit": "limit", "chat": "chat", "seed": "seed", "bootstrap": "bootstrap",
     "fidelity_contexts": "fidelity_contexts", "fidelity_samples": "fidelity_samples",
     "fidelity_window": "fidelity_window", "retune_threshold": "retune_threshold",
+    "draft_confidence": "draft_confidence",
     "prompts": "prompts_path", "prompt_column": "prompt_column", "drafter": "drafter",
 }
 _LISTS = {"modes": str, "draft_lens": int, "batch_sizes": int}
@@ -38,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--prompt-column", help="the column holding the prompt text (default: inferred)")
     p.add_argument("--modes", help="comma list of greedy, sample:T[:P[:K]] (default greedy)")
     p.add_argument("--draft-lens", help="comma list of draft lengths D (default 1,2,4,8)")
+    p.add_argument("--draft-confidence", type=float,
+                   help="dynamic draft length: stop a draft after a token the drafter gives less than this "
+                        "probability; each D is then the most per round (default 0 = fixed D)")
     p.add_argument("--batch-sizes", help="comma list of batch sizes for the speed figures (default 1)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--limit", type=int, help="evaluate the first N prompts only")

@@ -24,7 +24,10 @@ def register(sub) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--draft-len", type=int, default=4, help="draft tokens per round (D)")
+    p.add_argument("--draft-len", type=int, default=4, help="draft tokens per round (D); the most, with --draft-confidence")
+    p.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="stop a draft after a token the drafter gives less than this probability "
+                        "(dynamic draft length; 0 = always D tokens; still exact)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     stream = TextStream(target.tokenizer)
     result = decoder.generate([prompt], sampling, max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
-                              on_emit=lambda row, ids: stream.push(ids))
+                              draft_confidence=args.draft_confidence, on_emit=lambda row, ids: stream.push(ids))
     stream.close()
     print(format_stats(result.stats, proposer is not None), file=sys.stderr)
     return 0
@@ -77,6 +80,7 @@ def format_stats(stats, speculative: bool) -> str:
     line = f"{stats.new_tokens} tokens in {stats.total_s:.2f} s ({stats.tokens_per_s:.1f} tok/s)"
     if speculative:
         accept = ", ".join("-" if a is None else f"{a:.2f}" for a in stats.position_acceptance)
-        line = (f"AL {stats.acceptance_length:.2f} (D={stats.draft_len}) | {line} | per-position acceptance [{accept}]"
+        line = (f"AL {stats.acceptance_length:.2f} (D={stats.draft_len}, {stats.mean_draft_len:.2f} drafted per round)"
+                f" | {line} | per-position acceptance [{accept}]"
                 f" | time: draft {t['draft']:.2f} s, target {t['target']:.2f} s, verify {t['verify']:.2f} s")
     return line

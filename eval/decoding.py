@@ -95,7 +95,8 @@ def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices:
         emissions[row].append((time.perf_counter() - start, len(ids)))
 
     result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices],
-                              max_new_tokens=settings.max_new_tokens, draft_len=draft_len, on_emit=on_emit)
+                              max_new_tokens=settings.max_new_tokens, draft_len=draft_len,
+                              draft_confidence=settings.draft_confidence, on_emit=on_emit)
     own = result.stats if len(prompts) == 1 else None
     traces = [Trace(i, tokens, finish, emitted, own)
               for i, tokens, finish, emitted in zip(indices, result.tokens, result.finish_reasons, emissions)]

@@ -45,7 +45,8 @@ from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitPropos
 
 def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, settings: EvalSettings, *,
              verifier=None, out_dir: str | Path | None = None, baseline: dict | str | Path | None = None,
-             allow_target_mismatch: bool = False, progress: bool = True) -> Report:
+             allow_target_mismatch: bool = False, progress: bool = True,
+             plain_passes: dict | None = None) -> Report:
     """Evaluate `drafter_spec` (see speculative/drafters.py) against `target` on `prompts` (the
     data/prompts.py shape) and return the report; with `out_dir`, also write report.json, report.md and
     the plots there (refusing a non-empty directory, as the CLI does without --overwrite).
@@ -53,6 +54,10 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     `verifier` replaces the runtime's own choice (the fused kernel on CUDA, verify_native elsewhere;
     tests inject lossy ones). `baseline` is an earlier report (a path,
     or a dict from verdict.load_baseline): this run is compared with it and judged keep / retune.
+
+    `plain_passes` shares the plain-decoding passes between runs that evaluate several drafters on the
+    same target, prompts and settings (plain decoding does not depend on the drafter): an empty dict
+    is filled by the first run, and later runs reuse its passes instead of decoding them again.
     """
     started = time.perf_counter()
     if len(prompts) == 0:
@@ -75,7 +80,9 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     stops = stop_token_ids(target.model, target.tokenizer)
     spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier or "auto")
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
-    work = _Work(spec, plain, encoded, settings, progress)
+    if plain_passes is not None:
+        plain_passes = _shared_plain(plain_passes, target, encoded, settings)
+    work = _Work(spec, plain, encoded, settings, progress, plain_passes)
 
     passes = work.decode_all()
     records = [r for (mode, d, b), p in passes.items() if d and b == 1
@@ -116,6 +123,17 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     return report
 
 
+def _shared_plain(cache: dict, target: LoadedModel, prompts: list[list[int]], settings: EvalSettings) -> dict:
+    """The passes of `cache` for this target, prompts and decoding settings; a cache made under others
+    is refused, since its plain outputs would not be this run's."""
+    key = (target.weight_hash(), sha256(json.dumps(prompts).encode()).hexdigest(), settings.max_new_tokens,
+           settings.seed, settings.chat)
+    owner = cache.setdefault("_key", key)
+    if owner != key:
+        raise InvalidInputError("plain_passes was filled for another target, prompt set or decoding settings")
+    return cache
+
+
 def exit_code(data: dict) -> int:
     if not data["exactness"]["passed"]:
         return EXIT_INEXACT
@@ -126,12 +144,15 @@ class _Work:
     """The decoding and timing of one run, with its progress bar."""
 
     def __init__(self, spec: SpeculativeDecoder, plain: SpeculativeDecoder, prompts: list[list[int]],
-                 settings: EvalSettings, progress: bool):
+                 settings: EvalSettings, progress: bool, plain_passes: dict | None = None):
         self.spec, self.plain, self.prompts, self.s = spec, plain, prompts, settings
+        self.plain_passes = plain_passes
         self.peak = memory.PeakMemory(spec.device)
         sampled = [m for m in settings.modes if not is_greedy(m)]
+        batches = set(settings.batch_sizes) | {1}
+        reused = sum(len(prompts) for m in settings.modes for b in batches if (m, b) in (plain_passes or {}))
         per_pass = len(prompts) * len(settings.modes) * (1 + len(settings.draft_lens))
-        total = per_pass * len(set(settings.batch_sizes) | {1}) + len(sampled) * settings.fidelity_contexts
+        total = per_pass * len(batches) - reused + len(sampled) * settings.fidelity_contexts
         self.bar = tqdm(total=total, desc="draftsmith eval", unit="decode", file=sys.stderr, disable=not progress,
                         dynamic_ncols=True)
 
@@ -141,11 +162,17 @@ class _Work:
             self.peak.start()
             for draft_len in [0, *self.s.draft_lens]:
                 decoder = self.spec if draft_len else self.plain
+                shared = self.plain_passes if not draft_len and self.plain_passes is not None else None
+                if shared is not None and all((mode, batch) in shared for mode in self.s.modes):
+                    passes.update({(mode, 0, batch): shared[mode, batch] for mode in self.s.modes})
+                    continue
                 warm_up(decoder, self.prompts[0], draft_len, batch)
                 for mode in self.s.modes:
                     self.bar.set_postfix_str(f"{mode} D={draft_len} B={batch}")
                     passes[mode, draft_len, batch] = decode_pass(decoder, self.prompts, self.s, mode, draft_len,
                                                                  batch, self.bar)
+                    if shared is not None:
+                        shared[mode, batch] = passes[mode, draft_len, batch]
             self.peak.record(batch)
         return passes
 
@@ -196,8 +223,9 @@ class _Work:
                  for a in accept if a["draft_len"] == self.s.max_draft_len}
         rows = []
         for batch in self.s.batch_sizes:
-            costs = advice.measure_costs(self.spec.target, proposer, self.prompts, batch, self.s.max_draft_len,
-                                         self.s.max_new_tokens // 2, self.s.timing_reps)
+            with self.spec.fast_linears():  # time the passes as the runtime runs them
+                costs = advice.measure_costs(self.spec.target, proposer, self.prompts, batch, self.s.max_draft_len,
+                                             self.s.max_new_tokens // 2, self.s.timing_reps)
             for mode in self.s.modes:
                 spec_passes = [passes[mode, d, batch] for d in self.s.draft_lens]
                 rows.append(advice.advise(costs, rates[mode], spec_passes, passes[mode, 0, batch], batch))

@@ -71,8 +71,9 @@ def load_baseline(path: str | Path) -> dict:
 def check_compatible(baseline: dict, settings: EvalSettings, fingerprint: str, count: int, tokenizer_hash: str) -> None:
     """Refuse a comparison whose decoded tokens would not be comparable."""
     path, old = baseline.get("_path", "the baseline"), baseline["settings"]
-    for key in COMPARED_SETTINGS:
-        if old.get(key) != getattr(settings, key):
+    defaults = EvalSettings()
+    for key in COMPARED_SETTINGS:  # a setting newer than the baseline's report has its default there
+        if old.get(key, getattr(defaults, key)) != getattr(settings, key):
             raise BaselineError(f"{key} is {getattr(settings, key)!r} here but {old.get(key)!r} in baseline {path}")
     if baseline["prompts"]["fingerprint"] != fingerprint:
         raise BaselineError(f"the prompt set ({count} prompts) differs from baseline {path}'s "

@@ -16,6 +16,7 @@ sampled rows emit exactly the target's (processed) distribution.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,6 +28,7 @@ from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
+from draftsmith.speculative.small_gemm import small_row_linears, wanted
 from draftsmith.speculative.verify import VerifyOutput
 
 Verifier = Callable[..., VerifyOutput]
@@ -42,6 +44,7 @@ class DecodeStats:
     emitted_hist: list[int] = field(default_factory=list)  # [D + 2]: rounds that emitted k tokens (k >= 1)
     offered: list[int] = field(default_factory=list)  # [D]: rounds whose draft reached position i
     accepted: list[int] = field(default_factory=list)  # [D]: ... and accepted it
+    drafted: int = 0  # draft tokens proposed, over all rounds (fewer than D per round with a confidence stop)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0  # target forward passes of the rounds
@@ -68,12 +71,18 @@ class DecodeStats:
         return [a / o if o else None for a, o in zip(self.accepted, self.offered)]
 
     @property
+    def mean_draft_len(self) -> float:
+        """Draft tokens proposed per round (D with a fixed length, less with `draft_confidence`)."""
+        return self.drafted / max(self.rounds, 1)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def record(self, num_accepted: list[int], lens: list[int]) -> None:
         for n, m in zip(num_accepted, lens):
             self.rounds += 1
+            self.drafted += m
             self.emitted_hist[n + 1] += 1
             for i in range(min(n + 1, m)):
                 self.offered[i] += 1
@@ -87,6 +96,7 @@ class DecodeStats:
             "acceptance_length": self.acceptance_length,
             "emitted_hist": self.emitted_hist,
             "position_acceptance": self.position_acceptance,
+            "mean_draft_len": self.mean_draft_len,
             "offered": self.offered,
             "accepted": self.accepted,
             "tokens_per_s": self.tokens_per_s,
@@ -119,12 +129,16 @@ class SpeculativeDecoder:
         *,
         stop_token_ids: list[int] | tuple[int, ...] = (),
         verifier: Verifier | str = "auto",
+        small_gemm: bool | None = None,
     ):
         """`verifier`: a callable with verify_native's signature, or a mode for
         `kernels.select_verifier`: "auto" (the fused Triton kernel on CUDA, the reference elsewhere),
         "native" or "triton"; the DRAFTSMITH_VERIFIER environment variable overrides a mode.
         A kernel chosen by mode draws its random numbers in the kernel (Philox, keyed by each
-        request's seed); a callable is always given explicit noise from the per-request generators."""
+        request's seed); a callable is always given explicit noise from the per-request generators.
+
+        `small_gemm`: compute linear layers over a few rows (verification passes) as W @ x.T, which
+        CPU BLAS libraries run far faster (see small_gemm.py); None = on for CPU devices."""
         self.target = target
         self.proposer = proposer
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
@@ -137,6 +151,13 @@ class SpeculativeDecoder:
             self.noise_in_kernel = verifier is verify_fused
         self.verifier = verifier
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.small_gemm = wanted(self.device) if small_gemm is None else small_gemm
+
+    def fast_linears(self) -> contextlib.AbstractContextManager:
+        """The context the runtime's forward passes run in (small_gemm.py), or a no-op."""
+        if not self.small_gemm:
+            return contextlib.nullcontext()
+        return small_row_linears(self.target, *proposer_modules(self.proposer))
 
     @torch.inference_mode()
     def generate(
@@ -146,16 +167,24 @@ class SpeculativeDecoder:
         *,
         max_new_tokens: int = 128,
         draft_len: int = 4,
+        draft_confidence: float = 0.0,
         on_emit: Callable[[int, list[int]], None] | None = None,
     ) -> GenerationResult:
-        """Decode every prompt; `on_emit(prompt_index, new_ids)` streams tokens as they are accepted."""
+        """Decode every prompt; `on_emit(prompt_index, new_ids)` streams tokens as they are accepted.
+
+        `draft_len` is the most tokens drafted per round; with `draft_confidence` > 0 a drafter with
+        probabilities stops a row's draft early, after the first token it gives less than that
+        probability (see proposers.py). Output is exact either way."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         self._validate(prompts, params, max_new_tokens, draft_len)
+        if not 0.0 <= draft_confidence < 1.0:
+            raise InvalidInputError(f"draft confidence must lie in [0, 1), got {draft_confidence}")
         draft_len = draft_len if self.proposer is not None else 0
-        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit)
-        run.prefill()
-        while run.active:
-            run.round()
+        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence)
+        with self.fast_linears():
+            run.prefill()
+            while run.active:
+                run.round()
         run.stats.total_s = time.perf_counter() - run.start
         run.stats.other_s = max(
             run.stats.total_s - run.stats.prefill_s - run.stats.draft_s - run.stats.target_s - run.stats.verify_s, 0.0
@@ -178,11 +207,19 @@ class SpeculativeDecoder:
             raise InvalidInputError(f"draft length must be >= 0, got {draft_len}")
 
 
+def proposer_modules(proposer) -> list[torch.nn.Module]:
+    """The modules a proposer runs (its draft model, or its heads), for small_gemm."""
+    found = [getattr(proposer, name, None) for name in ("model", "heads")]
+    return [m for m in found if isinstance(m, torch.nn.Module)]
+
+
 class _Run:
     """The state of one `generate` call: active rows, their caches, outputs and statistics."""
 
-    def __init__(self, decoder: SpeculativeDecoder, prompts, params, max_new_tokens, draft_len, on_emit):
+    def __init__(self, decoder: SpeculativeDecoder, prompts, params, max_new_tokens, draft_len, on_emit,
+                 draft_confidence: float = 0.0):
         self.d = decoder
+        self.draft_confidence = draft_confidence
         self.start = time.perf_counter()
         self.max_new_tokens = max_new_tokens
         self.draft_len = draft_len
@@ -233,7 +270,7 @@ class _Run:
         wants_hidden = proposer is not None and proposer.needs_target_hidden
         if proposer is None or max(max_lens) <= 0 or (wants_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
-        ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.target_hidden)
+        ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.target_hidden, self.draft_confidence)
         return proposer.propose(ctx, self.draft_len)
 
     def score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:

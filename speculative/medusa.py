@@ -9,7 +9,8 @@ nowhere in the checkpoint), or the head's own copy of it.
 The W of every block starts at zero, so an untrained head is the target's lm_head: it predicts
 token t+1 again, a weak but sane starting point that training moves to t+1+k.
 
-Drafting is a chain: each head's top token. The proposal is deterministic (q one-hot), which is exact
+Drafting is a chain: each head's top token (with `min_confidence`, cut after the first head whose top
+probability is below it). The proposal is deterministic (q one-hot), which is exact
 under sampling too.
 """
 
@@ -89,4 +90,8 @@ class MedusaProposer(Proposer):
         logits = self.heads(hidden.to(next(self.heads.parameters()).dtype))[:, :width]  # [B, width, V]
         tokens = logits.argmax(dim=-1)  # lowest index on ties, like every argmax in draftsmith
         lens = torch.tensor(ctx.max_lens, device=hidden.device).clamp(max=width)
+        if ctx.min_confidence > 0:  # the chain ends after the first head below the threshold
+            confident = logits.float().softmax(dim=-1).amax(dim=-1) >= ctx.min_confidence  # [B, width]
+            run = confident.long().cumprod(dim=1).sum(dim=1)  # leading confident heads
+            lens = torch.minimum(lens, (run + 1).clamp(max=width))
         return Draft(tokens, lens, None)

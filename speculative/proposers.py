@@ -7,6 +7,14 @@ A proposer sees the runtime through four calls:
     commit(num_accepted, emitted)      each round, after verification: roll back to the accepted prefix
     select_rows(rows)                  when finished rows leave the batch
 
+`RoundContext.min_confidence` asks for dynamic draft lengths: a model drafter stops drafting a row
+after the first token whose draft probability is below it (that token is still proposed), so
+confident stretches get long drafts and uncertain ones short drafts (Hugging Face assisted
+generation's `assistant_confidence_threshold`, SpecDec++'s stopping rule in its simplest form). The
+rule reads only the drafter's own outputs, never the target's, so verification stays exact: every
+position is verified with the same min(1, p/q) test whatever the number of positions after it.
+Proposers without probabilities (prompt lookup) ignore it.
+
 `RoundContext.target_hidden` carries the target's last hidden state at the position that produced the
 newest token, for drafters that read it (Medusa-style heads); a proposer that wants it sets
 `needs_target_hidden = True`. A proposer that drafts deterministically (prompt lookup, heads taking
@@ -48,6 +56,7 @@ class RoundContext:
     sampling: BatchSampling
     rng: RowGenerators
     target_hidden: torch.Tensor | None = None  # [B, H] hidden state that produced history[b][-1]
+    min_confidence: float = 0.0  # stop drafting a row after a token with draft probability below this
 
 
 class Proposer(ABC):
@@ -97,23 +106,39 @@ class DraftModelProposer(Proposer):
         sampled = ~ctx.sampling.greedy
         any_sampled = bool(sampled.any())
         tokens, valid = left_pad(self.pending, self.device)
+        lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
         drafts, probs = [], []
         for step in range(draft_len):
             logits = self.kv.forward(tokens, valid, logits_to_keep=1).logits[:, -1:]  # [B, 1, V]
             if bool(torch.isnan(logits).any()):
                 raise NumericalError("the drafter produced NaN logits; check its weights and dtype")
             token = logits[:, 0].argmax(dim=-1)  # greedy rows; lowest index on ties
+            q = None
             if any_sampled:
                 q = processed_probs(logits, ctx.sampling)[:, 0]  # [B, V]
-                draw = [bool(s) and step < m for s, m in zip(sampled.tolist(), ctx.max_lens)]
+                # Only rows still drafting draw noise, so a row's random stream (and its output) is the
+                # same in any batch as alone, also when other rows stop early.
+                draw = [bool(s) and step < m for s, m in zip(sampled.tolist(), lens.tolist())]
                 token = torch.where(sampled, race_sample(q, ctx.rng.exponential(draw, q.shape[-1])), token)
                 probs.append(q)
             drafts.append(token)
+            if ctx.min_confidence > 0:
+                lens = self._stop_unconfident(lens, step, logits[:, 0], q, token, sampled, ctx.min_confidence)
+                if int(lens.max()) <= step + 1:  # every row has stopped: no further draft step
+                    break
             if step < draft_len - 1:  # the last draft token is never fed: the target verifies it
                 tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=self.device)
-        self._fed_drafts = draft_len - 1
-        lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
+        self._fed_drafts = len(drafts) - 1
         return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None)
+
+    @staticmethod
+    def _stop_unconfident(lens, step, logits, q, token, sampled, threshold) -> torch.Tensor:
+        """Cap at step + 1 the length of every row whose token at `step` has draft probability below
+        `threshold`: q for sampled rows, the softmax of the raw logits for greedy rows."""
+        confidence = logits.softmax(dim=-1).gather(1, token[:, None])[:, 0]
+        if q is not None:
+            confidence = torch.where(sampled, q.gather(1, token[:, None])[:, 0], confidence)
+        return torch.where(confidence < threshold, lens.clamp(max=step + 1), lens)
 
     def commit(self, num_accepted, emitted):
         if self._fed_drafts < 0:  # no draft this round: the pending tokens were not fed either

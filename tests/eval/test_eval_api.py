@@ -70,3 +70,38 @@ def test_fidelity_check_tells_exact_from_lossy(target, models, verifier, passes)
     assert result["passed"] is passes
     assert result["samples_per_side"] == 200 and result["dof"] > 0
     assert (result["p_value"] >= 0.01) if passes else (result["p_value"] < 1e-6)
+
+
+def test_drafters_share_one_plain_pass(target, prompts, models, monkeypatch):
+    """Evaluating several drafters with one `plain_passes` dict decodes plainly once; the reports carry the
+    same plain figures; a cache filled under other decoding settings is refused."""
+    from draftsmith.eval import run as eval_run
+    from draftsmith.speculative.errors import InvalidInputError
+
+    plain_decodes = []
+    original = eval_run.decode_pass
+
+    def counting(decoder, *args, **kwargs):
+        if decoder.proposer is None:
+            plain_decodes.append(args[2])  # the mode
+        return original(decoder, *args, **kwargs)
+
+    monkeypatch.setattr(eval_run, "decode_pass", counting)
+    shared = {}
+    first = evaluate(target, str(models / "random"), prompts, small(), progress=False, plain_passes=shared)
+    second = evaluate(target, "ngram", prompts, small(), progress=False, plain_passes=shared)
+    assert plain_decodes == ["greedy"]
+    plain = [next(r for r in rep.data["speed"] if r["decoder"] == "plain") for rep in (first, second)]
+    assert plain[0] == plain[1]
+    assert second.data["exactness"]["passed"] and second.data["drafter"]["kind"] == "ngram"
+    alone = evaluate(target, "ngram", prompts, small(), progress=False)
+    assert [r["al"] for r in alone.data["acceptance"]] == [r["al"] for r in second.data["acceptance"]]
+    with pytest.raises(InvalidInputError, match="plain_passes"):
+        evaluate(target, "ngram", prompts, small(max_new_tokens=5), progress=False, plain_passes=shared)
+
+
+def test_dynamic_draft_length_is_recorded_and_exact(target, prompts, models):
+    report = evaluate(target, str(models / "copy"), prompts, small(draft_lens=[4], draft_confidence=0.5),
+                      progress=False)
+    assert report.data["settings"]["draft_confidence"] == 0.5
+    assert report.data["exactness"]["passed"]

@@ -46,10 +46,11 @@ def exact_marginals(model, params: SamplingParams, positions=3):
     return marginals
 
 
-def sample_runtime(target, proposer, params, draft_len=3, verifier=verify_native):
+def sample_runtime(target, proposer, params, draft_len=3, verifier=verify_native, draft_confidence=0.0):
     decoder = SpeculativeDecoder(target, proposer, verifier=verifier)
     rows = [SamplingParams(params.temperature, params.top_k, params.top_p, seed=1000 + i) for i in range(N)]
-    result = decoder.generate([PROMPT] * N, rows, max_new_tokens=3, draft_len=draft_len)
+    result = decoder.generate([PROMPT] * N, rows, max_new_tokens=3, draft_len=draft_len,
+                              draft_confidence=draft_confidence)
     return torch.tensor(result.tokens), result.stats
 
 
@@ -87,7 +88,8 @@ FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
 
 @pytest.mark.parametrize(
     "name",
-    ["random-drafter", "same-as-target", "q-zero-where-p-positive", "early-exit", "ngram", "plain", "filtered"],
+    ["random-drafter", "same-as-target", "q-zero-where-p-positive", "early-exit", "ngram", "plain", "filtered",
+     "dynamic-length", "dynamic-length-filtered"],
 )
 def test_emitted_distribution_matches_target(name, small_target, small_drafter):
     params = FILTERED if name == "filtered" else PARAMS
@@ -99,8 +101,18 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         "ngram": lambda: NGramProposer(),
         "plain": lambda: None,
         "filtered": lambda: DraftModelProposer(small_drafter),
+        # Drafts stop after a token with q below the threshold: a length decided by the drafted tokens.
+        "dynamic-length": lambda: DraftModelProposer(small_drafter),
+        "dynamic-length-filtered": lambda: DraftModelProposer(small_drafter),
     }[name]()
-    tokens, decode_stats = sample_runtime(small_target, proposer, params)
+    if name.startswith("dynamic-length"):
+        params = FILTERED if name.endswith("filtered") else PARAMS
+        tokens, decode_stats = sample_runtime(small_target, proposer, params, draft_confidence=0.1)
+        _, fixed = sample_runtime(small_target, DraftModelProposer(small_drafter), params)
+        # The rule cut some drafts short and let others reach the second position.
+        assert decode_stats.drafted < fixed.drafted and decode_stats.offered[1] > 0
+    else:
+        tokens, decode_stats = sample_runtime(small_target, proposer, params)
     pvalues = fit_pvalues(tokens, exact_marginals(small_target, params))
     assert len(pvalues) == 3 and min(pvalues) > 1e-3, pvalues
     if name == "same-as-target":
