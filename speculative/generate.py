@@ -176,9 +176,7 @@ class SpeculativeDecoder:
         probabilities stops a row's draft early, after the first token it gives less than that
         probability (see proposers.py). Output is exact either way."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        self._validate(prompts, params, max_new_tokens, draft_len)
-        if not 0.0 <= draft_confidence < 1.0:
-            raise InvalidInputError(f"draft confidence must lie in [0, 1), got {draft_confidence}")
+        self._validate(prompts, params, max_new_tokens, draft_len, draft_confidence)
         draft_len = draft_len if self.proposer is not None else 0
         run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence)
         with self.fast_linears():
@@ -191,7 +189,7 @@ class SpeculativeDecoder:
         )
         return GenerationResult(run.outputs, run.finish, run.stats)
 
-    def _validate(self, prompts, params, max_new_tokens, draft_len) -> None:
+    def _validate(self, prompts, params, max_new_tokens, draft_len, draft_confidence) -> None:
         if not prompts:
             raise InvalidInputError("no prompts to decode")
         if len(params) != len(prompts):
@@ -205,6 +203,8 @@ class SpeculativeDecoder:
             raise InvalidInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if draft_len < 0:
             raise InvalidInputError(f"draft length must be >= 0, got {draft_len}")
+        if not 0.0 <= draft_confidence < 1.0:
+            raise InvalidInputError(f"draft confidence must lie in [0, 1), got {draft_confidence}")
 
 
 def proposer_modules(proposer) -> list[torch.nn.Module]:
@@ -217,7 +217,7 @@ class _Run:
     """The state of one `generate` call: active rows, their caches, outputs and statistics."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts, params, max_new_tokens, draft_len, on_emit,
-                 draft_confidence: float = 0.0):
+                 draft_confidence: float):
         self.d = decoder
         self.draft_confidence = draft_confidence
         self.start = time.perf_counter()
