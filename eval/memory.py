@@ -62,6 +62,7 @@ def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int,
 
 def _drafter_footprint(target, proposer) -> tuple[int, int, str]:
     """(extra weight bytes, KV bytes per token, a note on sharing) of a drafter."""
+    proposer = getattr(proposer, "drafter", proposer)  # a lookup combination costs what its drafter costs
     if proposer is None or isinstance(proposer, NGramProposer):
         return 0, 0, "none (prompt lookup)"
     if isinstance(proposer, EarlyExitProposer):

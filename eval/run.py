@@ -35,7 +35,7 @@ from draftsmith.eval.report import EXIT_INEXACT, EXIT_OK, Report, prepare_out_di
 from draftsmith.eval.settings import TIE_TOLERANCE, EvalSettings, is_greedy
 from draftsmith.eval.verdict import SCHEMA, check_compatible, compare, load_baseline
 from draftsmith.speculative.checkpoint import read_drafter_info
-from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.drafters import build_proposer, split_combined
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, state_dict_hash, tokenizer_hash
@@ -271,6 +271,9 @@ def target_identity(target: LoadedModel, device) -> dict:
 def drafter_identity(spec: str, proposer, target: LoadedModel) -> dict:
     record = {"spec": spec, "kind": proposer.name, "weight_hash": None, "shares_target_weights": False,
               "trained_for": None, "matches_target": None}
+    combined = split_combined(spec)
+    if combined is not None:  # prompt lookup + a drafter: the drafter's identity
+        spec, proposer = combined[1], proposer.drafter
     if isinstance(proposer, EarlyExitProposer):
         record.update(shares_target_weights=True, layers=proposer.num_layers)
     elif isinstance(proposer, DraftModelProposer):

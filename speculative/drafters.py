@@ -5,6 +5,8 @@
     DIR                          a drafter trained by draftsmith (draft LM or Medusa heads; checked
                                  against the target it was trained for), or any HF causal LM directory
     HUB_ID | FILE.gguf           an independent draft LM with the target's tokenizer
+    ngram[:MAX[:MIN]]+DRAFTER    prompt lookup where the context repeats an n-gram of MIN..MAX tokens
+                                 (default 3:2), DRAFTER (any of the above) everywhere else
 """
 
 from __future__ import annotations
@@ -14,13 +16,25 @@ from pathlib import Path
 from draftsmith.speculative.checkpoint import load_drafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer, Proposer
+from draftsmith.speculative.proposers import (DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer,
+                                               Proposer)
 
 
 def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=None,
                    allow_target_mismatch: bool = False) -> Proposer | None:
     if spec is None or spec in ("", "none"):
         return None
+    combined = split_combined(spec)
+    if combined is not None:
+        lookup_spec, drafter_spec = combined
+        sizes = [_positive_int(x, spec) for x in lookup_spec.split(":")[1:]] or [3]
+        # A single-token match says little; in a combination it is the drafter's turn (MIN defaults to 2).
+        lookup = NGramProposer(max_ngram=sizes[0], min_ngram=sizes[1] if len(sizes) > 1 else min(2, sizes[0]))
+        drafter = build_proposer(drafter_spec, target, device=device, dtype=dtype,
+                                 allow_target_mismatch=allow_target_mismatch)
+        if drafter is None or isinstance(drafter, (NGramProposer, LookupFirstProposer)):
+            raise InvalidInputError(f"bad drafter spec '{spec}': after '+' comes a model drafter, not '{drafter_spec}'")
+        return LookupFirstProposer(lookup, drafter)
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
         sizes = [_positive_int(x, spec) for x in arg.split(":")] if arg else [3]
@@ -35,6 +49,15 @@ def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=
     drafter = load_model(spec, device=device or target.model.device, dtype=dtype or target.model.dtype)
     check_same_tokenizer(target.tokenizer, drafter.tokenizer, target.name, drafter.name)
     return DraftModelProposer(drafter.model)
+
+
+def split_combined(spec: str) -> tuple[str, str] | None:
+    """("ngram[:MAX[:MIN]]", "DRAFTER") for a combined spec, else None (a directory named with '+' is
+    a directory)."""
+    head, plus, rest = spec.partition("+")
+    if not plus or Path(spec).expanduser().exists() or head.partition(":")[0] != "ngram":
+        return None
+    return head, rest
 
 
 def _positive_int(text: str, spec: str) -> int:

@@ -208,7 +208,11 @@ class SpeculativeDecoder:
 
 
 def proposer_modules(proposer) -> list[torch.nn.Module]:
-    """The modules a proposer runs (its draft model, or its heads), for small_gemm."""
+    """The modules a proposer runs (its draft model, or its heads, or those of a combination's
+    drafter), for small_gemm."""
+    inner = getattr(proposer, "drafter", None)
+    if inner is not None:
+        return proposer_modules(inner)
     found = [getattr(proposer, name, None) for name in ("model", "heads")]
     return [m for m in found if isinstance(m, torch.nn.Module)]
 

@@ -25,6 +25,7 @@ sampling too, since a deterministic draft is accepted with probability p(token).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -75,6 +76,10 @@ class Proposer(ABC):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (indices into the current batch)."""
 
+    def skip_round(self) -> None:
+        """This round's draft came from elsewhere (LookupFirstProposer): `propose` was not called
+        before the next `commit`."""
+
 
 class DraftModelProposer(Proposer):
     """An independent causal LM with the target's tokenizer and its own KV cache, drafting autoregressively."""
@@ -87,6 +92,7 @@ class DraftModelProposer(Proposer):
         self.kv: KVState | None = None
         self.pending: list[list[int]] = []  # per row: emitted tokens not yet in the draft cache
         self._fed_drafts = 0  # draft tokens appended to the cache by the last propose
+        self._fed_tokens: list[list[int]] = []  # per row: those tokens
 
     def begin(self, prompts, sampling, rng):
         self.kv = KVState(self.model, len(prompts), self.device)
@@ -129,6 +135,7 @@ class DraftModelProposer(Proposer):
             if step < draft_len - 1:  # the last draft token is never fed: the target verifies it
                 tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=self.device)
         self._fed_drafts = len(drafts) - 1
+        self._fed_tokens = torch.stack(drafts[: self._fed_drafts], 1).tolist() if self._fed_drafts > 0 else []
         return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None)
 
     @staticmethod
@@ -140,21 +147,38 @@ class DraftModelProposer(Proposer):
             confidence = torch.where(sampled, q.gather(1, token[:, None])[:, 0], confidence)
         return torch.where(confidence < threshold, lens.clamp(max=step + 1), lens)
 
+    def skip_round(self) -> None:
+        self._fed_drafts = -1
+
     def commit(self, num_accepted, emitted):
         if self._fed_drafts < 0:  # no draft this round: the pending tokens were not fed either
             self.pending = [p + e for p, e in zip(self.pending, emitted)]
             return
         fed = self._fed_drafts
+        # A fed draft token stays in the cache while it equals the token emitted at its position: for a
+        # row drafted by this model that is its accepted prefix (a rejected draft token is never the
+        # one emitted in its place); for a row drafted by someone else this round (LookupFirstProposer)
+        # it is whatever prefix the model happened to guess. At least the last emitted token stays
+        # pending, so every row has an input for the next draft step.
+        kept = [_common_prefix(f, e[: len(e) - 1]) for f, e in zip(self._fed_tokens, emitted)] if fed > 0 else [0] * len(emitted)
         if fed > 0:
-            keep = torch.arange(fed, device=self.device)[None, :] < torch.tensor(num_accepted, device=self.device)[:, None]
+            keep = torch.arange(fed, device=self.device)[None, :] < torch.tensor(kept, device=self.device)[:, None]
             self.kv.keep_last(keep)
         # Emitted tokens beyond the kept draft slots (the recovered/bonus token, and the last draft
         # token when all were accepted) are fed at the start of the next round.
-        self.pending = [e[min(n, fed):] for n, e in zip(num_accepted, emitted)]
+        self.pending = [e[k:] for k, e in zip(kept, emitted)]
 
     def select_rows(self, rows):
         self.kv.select_rows(rows)
         self.pending = [self.pending[i] for i in rows.tolist()]
+        self._fed_tokens = [self._fed_tokens[i] for i in rows.tolist()] if self._fed_tokens else []
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and n < len(b) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 class EarlyExitProposer(DraftModelProposer):
@@ -245,6 +269,65 @@ class NGramProposer(Proposer):
                 if history[start : start + n] == suffix:
                     return history[start + n : start + n + count]
         return []
+
+
+class LookupFirstProposer(Proposer):
+    """Prompt lookup where the context repeats itself, a model drafter everywhere else.
+
+    Each round, a row whose context ends in an n-gram seen earlier (n >= the lookup's min_ngram) drafts
+    the tokens that followed it; every other row is drafted by `drafter` (a draft LM, early exit or
+    Medusa heads). Copy-heavy stretches (code edits, quoted text, lists) get long free drafts, the rest
+    gets the trained drafter's. Lookup rows are hidden from the drafter by a zero draft budget, so it
+    draws no random numbers for them: a row's output stays the same in any batch. A lookup draft is
+    deterministic (one-hot q), so verification stays exact under sampling too.
+    """
+
+    def __init__(self, lookup: NGramProposer, drafter: Proposer):
+        self.lookup, self.drafter = lookup, drafter
+        self.name = f"{lookup.name}+{drafter.name}"
+        self.needs_target_hidden = drafter.needs_target_hidden
+        self.lookup_rounds = 0  # rows x rounds drafted by lookup, for statistics
+        self.model_rounds = 0
+
+    def begin(self, prompts, sampling, rng):
+        self.drafter.begin(prompts, sampling, rng)
+
+    def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
+        device = ctx.sampling.temperature.device
+        found = [self.lookup.lookup(h, min(draft_len, m)) for h, m in zip(ctx.history, ctx.max_lens)]
+        model_lens = [0 if f else m for f, m in zip(found, ctx.max_lens)]
+        self.lookup_rounds += sum(1 for f in found if f)
+        self.model_rounds += sum(1 for m in model_lens if m > 0)
+        if max(model_lens, default=0) > 0:
+            draft = self.drafter.propose(dataclasses.replace(ctx, max_lens=model_lens), draft_len)
+        else:  # nothing for the model this round; its commit sees that it fed no draft
+            draft = Draft.empty(len(found), device)
+            self.drafter.skip_round()
+        width = max([draft.tokens.shape[1]] + [len(f) for f in found])
+        if width == 0:
+            return draft
+        tokens = torch.zeros(len(found), width, dtype=torch.int64, device=device)
+        tokens[:, : draft.tokens.shape[1]] = draft.tokens
+        lens = draft.lens.clone()
+        for b, f in enumerate(found):
+            if f:
+                tokens[b, : len(f)] = torch.tensor(f, dtype=torch.int64, device=device)
+                lens[b] = len(f)
+        probs = None
+        if draft.probs is not None:  # lookup rows get a one-hot q: their draft is deterministic
+            probs = torch.zeros(len(found), width, draft.probs.shape[-1], dtype=draft.probs.dtype, device=device)
+            probs[:, : draft.probs.shape[1]] = draft.probs
+            rows = [b for b, f in enumerate(found) if f]
+            if rows:
+                index = torch.tensor(rows, device=device)
+                probs[index] = torch.nn.functional.one_hot(tokens[index], probs.shape[-1]).to(probs.dtype)
+        return Draft(tokens, lens, probs)
+
+    def commit(self, num_accepted, emitted):
+        self.drafter.commit(num_accepted, emitted)
+
+    def select_rows(self, rows):
+        self.drafter.select_rows(rows)
 
 
 def left_pad(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

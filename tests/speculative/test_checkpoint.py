@@ -13,7 +13,7 @@ from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
-from draftsmith.speculative.proposers import DraftModelProposer, truncated_model
+from draftsmith.speculative.proposers import DraftModelProposer, LookupFirstProposer, NGramProposer, truncated_model
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
 
@@ -129,6 +129,27 @@ def test_medusa_round_trip_and_exact_decoding(loaded_target, tmp_path, own_lm_he
     assert result.stats.rounds > 0
     sampled = decoder.generate(PROMPTS, SamplingParams(0.8, seed=1), max_new_tokens=8, draft_len=3)
     assert all(len(t) == 8 for t in sampled.tokens)
+
+
+def test_lookup_first_combinations_from_specs_decode_exactly(loaded_target, tmp_path):
+    """`ngram[:MAX[:MIN]]+DIR`: prompt lookup in front of a trained drafter (heads or draft LM)."""
+    target = loaded_target.model
+    info = DrafterInfo.for_target("medusa", loaded_target)
+    heads_dir = save_medusa(tmp_path / "heads", trained_looking_heads(target), loaded_target.tokenizer, info)
+    lm_dir = save_draft_lm(tmp_path / "lm", build_draft_lm(target, 1), loaded_target.tokenizer,
+                           DrafterInfo.for_target("draft-lm", loaded_target))
+    prompts = PROMPTS + [[1, 65, 66, 67, 65, 66, 67, 65, 66]]  # a repeating context: lookup has matches
+    expected = [greedy(target, p, 24) for p in prompts]
+    for spec, sizes in [(f"ngram+{heads_dir}", (3, 2)), (f"ngram:4:1+{lm_dir}", (4, 1)), (f"ngram:1+{lm_dir}", (1, 1))]:
+        proposer = build_proposer(spec, loaded_target)
+        assert isinstance(proposer, LookupFirstProposer)
+        assert (proposer.lookup.max_ngram, proposer.lookup.min_ngram) == sizes
+        result = SpeculativeDecoder(target, proposer).generate(prompts, max_new_tokens=24, draft_len=3)
+        assert result.tokens == expected, spec
+        assert proposer.lookup_rounds > 0 and proposer.model_rounds > 0, spec
+    for bad in ["ngram+ngram", "ngram+", "ngram:0+early-exit:1", f"ngram:x+{lm_dir}"]:
+        with pytest.raises(InvalidInputError):
+            build_proposer(bad, loaded_target)
 
 
 def test_medusa_heads_see_the_state_that_produced_the_newest_token(loaded_target, monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer
+from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100],
@@ -33,11 +33,13 @@ def make_proposer(kind, target, random_drafter):
         "random": lambda: DraftModelProposer(random_drafter),
         "early-exit": lambda: EarlyExitProposer(target, 1),
         "ngram": lambda: NGramProposer(),
+        # Lookup rows and model rows mix within a batch and alternate within a row.
+        "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 2), DraftModelProposer(random_drafter)),
         "none": lambda: None,
     }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "none"])
+@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "lookup-first", "none"])
 @pytest.mark.parametrize("draft_len", range(1, 9))
 def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter, reference):
     decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter))
@@ -55,6 +57,8 @@ def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter,
         assert stats.acceptance_length < 1.3
     if kind == "none":
         assert stats.acceptance_length == 1.0
+    if kind == "lookup-first":
+        assert decoder.proposer.lookup_rounds > 0 and decoder.proposer.model_rounds > 0
 
 
 @pytest.mark.parametrize("draft_len", [3, 8])

@@ -11,7 +11,7 @@ import torch
 from scipy import stats
 
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer
+from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams, processed_probs
 from draftsmith.speculative.tiny import tiny_model
 from draftsmith.speculative.verify import VerifyOutput, verify_native
@@ -89,7 +89,7 @@ FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
 @pytest.mark.parametrize(
     "name",
     ["random-drafter", "same-as-target", "q-zero-where-p-positive", "early-exit", "ngram", "plain", "filtered",
-     "dynamic-length", "dynamic-length-filtered"],
+     "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered"],
 )
 def test_emitted_distribution_matches_target(name, small_target, small_drafter):
     params = FILTERED if name == "filtered" else PARAMS
@@ -104,7 +104,12 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         # Drafts stop after a token with q below the threshold: a length decided by the drafted tokens.
         "dynamic-length": lambda: DraftModelProposer(small_drafter),
         "dynamic-length-filtered": lambda: DraftModelProposer(small_drafter),
+        # Rows whose context repeats a token draft by lookup (one-hot q), the others by the draft LM.
+        "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
+        "lookup-first-filtered": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
     }[name]()
+    if name.endswith("filtered"):
+        params = FILTERED
     if name.startswith("dynamic-length"):
         params = FILTERED if name.endswith("filtered") else PARAMS
         tokens, decode_stats = sample_runtime(small_target, proposer, params, draft_confidence=0.1)
@@ -117,6 +122,8 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
     assert len(pvalues) == 3 and min(pvalues) > 1e-3, pvalues
     if name == "same-as-target":
         assert decode_stats.acceptance_length > 2.9  # p == q: every draft accepted (3 tokens, D = 3)
+    if name.startswith("lookup-first"):  # both kinds of draft were verified, in the same batches
+        assert proposer.lookup_rounds > 100 and proposer.model_rounds > 100
 
 
 def always_accept(target_logits, draft_tokens, draft_lens, *rest):
@@ -144,10 +151,14 @@ def test_filtered_sampling_never_leaves_the_allowed_set(small_target, small_draf
     assert bool((probs.gather(-1, tokens[..., None]) > 0).all())
 
 
-def test_seeded_runs_repeat_and_batches_equal_solo_rows(target, random_drafter):
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_seeded_runs_repeat_and_batches_equal_solo_rows(target, random_drafter, lookup_first):
     prompts = [[1, 72, 105, 33], [1, 65, 66, 67, 68, 69, 70], [1, 40]]
     params = [SamplingParams(0.9, seed=5), SamplingParams(0.0), SamplingParams(1.2, top_k=20, top_p=0.95, seed=9)]
-    decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter))
+    proposer = DraftModelProposer(random_drafter)
+    if lookup_first:  # rows switch between lookup and the model at different rounds
+        proposer = LookupFirstProposer(NGramProposer(2, 1), proposer)
+    decoder = SpeculativeDecoder(target, proposer)
     first = decoder.generate(prompts, params, max_new_tokens=20, draft_len=3).tokens
     again = decoder.generate(prompts, params, max_new_tokens=20, draft_len=3).tokens
     assert first == again
