@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from draftsmith.data.prompts import load_conversations
-from draftsmith.eval.run import evaluate
+from draftsmith.eval.run import PlainPasses, evaluate
 from draftsmith.eval.settings import EvalSettings
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     settings = EvalSettings(modes=["greedy"], draft_lens=[recipe.drafter.num_heads], batch_sizes=[1],
                             max_new_tokens=eval_tokens, limit=eval_prompts,
                             prompts_path="builtin:quickstart (held out)")
-    rows, plain_passes = [], {}
+    rows, plain_passes = [], PlainPasses()
     for name, spec in [("medusa (trained)", str(drafter_dir)), (f"early-exit:{exit_layers}", f"early-exit:{exit_layers}"),
                        ("ngram", "ngram")]:
         report_dir = out / "eval" / name.split(" ")[0].replace(":", "-")
@@ -104,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_or_evaluate(target, spec, prompts, settings, report_dir: Path, progress: bool, plain_passes: dict) -> dict:
+def load_or_evaluate(target, spec, prompts, settings, report_dir: Path, progress: bool,
+                     plain_passes: PlainPasses) -> dict:
     cached = report_dir / "report.json"
     if cached.is_file():
         return json.loads(cached.read_text())

@@ -46,7 +46,7 @@ from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitPropos
 def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, settings: EvalSettings, *,
              verifier=None, out_dir: str | Path | None = None, baseline: dict | str | Path | None = None,
              allow_target_mismatch: bool = False, progress: bool = True,
-             plain_passes: dict | None = None) -> Report:
+             plain_passes: PlainPasses | None = None) -> Report:
     """Evaluate `drafter_spec` (see speculative/drafters.py) against `target` on `prompts` (the
     data/prompts.py shape) and return the report; with `out_dir`, also write report.json, report.md and
     the plots there (refusing a non-empty directory, as the CLI does without --overwrite).
@@ -56,8 +56,8 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     or a dict from verdict.load_baseline): this run is compared with it and judged keep / retune.
 
     `plain_passes` shares the plain-decoding passes between runs that evaluate several drafters on the
-    same target, prompts and settings (plain decoding does not depend on the drafter): an empty dict
-    is filled by the first run, and later runs reuse its passes instead of decoding them again.
+    same target, prompts and settings (plain decoding does not depend on the drafter): a fresh
+    `PlainPasses()` is filled by the first run, and later runs reuse its passes instead of decoding them again.
     """
     started = time.perf_counter()
     if len(prompts) == 0:
@@ -81,7 +81,7 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier or "auto")
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     if plain_passes is not None:
-        plain_passes = _shared_plain(plain_passes, target, encoded, settings)
+        plain_passes.bind(target, encoded, settings)
     work = _Work(spec, plain, encoded, settings, progress, plain_passes)
 
     passes = work.decode_all()
@@ -123,15 +123,24 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     return report
 
 
-def _shared_plain(cache: dict, target: LoadedModel, prompts: list[list[int]], settings: EvalSettings) -> dict:
-    """The passes of `cache` for this target, prompts and decoding settings; a cache made under others
-    is refused, since its plain outputs would not be this run's."""
-    key = (target.weight_hash(), sha256(json.dumps(prompts).encode()).hexdigest(), settings.max_new_tokens,
-           settings.seed, settings.chat)
-    owner = cache.setdefault("_key", key)
-    if owner != key:
-        raise InvalidInputError("plain_passes was filled for another target, prompt set or decoding settings")
-    return cache
+class PlainPasses:
+    """Plain-decoding passes, keyed by (mode, batch size), shared by the evaluations of several drafters
+    on one target, prompt set and decoding settings: plain decoding does not depend on the drafter."""
+
+    def __init__(self):
+        self.passes: dict[tuple[str, int], Pass] = {}
+        self.owner: tuple | None = None  # (target, prompts, decoding settings) the passes were made under
+
+    def bind(self, target: LoadedModel, prompts: list[list[int]], settings: EvalSettings) -> "PlainPasses":
+        """Claim the cache for this run; one filled under another target, prompt set or decoding
+        settings is refused, since its plain outputs would not be this run's."""
+        key = (target.weight_hash(), sha256(json.dumps(prompts).encode()).hexdigest(), settings.max_new_tokens,
+               settings.seed, settings.chat)
+        if self.owner is None:
+            self.owner = key
+        elif self.owner != key:
+            raise InvalidInputError("plain_passes was filled for another target, prompt set or decoding settings")
+        return self
 
 
 def exit_code(data: dict) -> int:
@@ -144,13 +153,14 @@ class _Work:
     """The decoding and timing of one run, with its progress bar."""
 
     def __init__(self, spec: SpeculativeDecoder, plain: SpeculativeDecoder, prompts: list[list[int]],
-                 settings: EvalSettings, progress: bool, plain_passes: dict | None = None):
+                 settings: EvalSettings, progress: bool, plain_passes: PlainPasses | None = None):
         self.spec, self.plain, self.prompts, self.s = spec, plain, prompts, settings
         self.plain_passes = plain_passes
         self.peak = memory.PeakMemory(spec.device)
         sampled = [m for m in settings.modes if not is_greedy(m)]
         batches = set(settings.batch_sizes) | {1}
-        reused = sum(len(prompts) for m in settings.modes for b in batches if (m, b) in (plain_passes or {}))
+        shared = plain_passes.passes if plain_passes is not None else {}
+        reused = sum(len(prompts) for m in settings.modes for b in batches if (m, b) in shared)
         per_pass = len(prompts) * len(settings.modes) * (1 + len(settings.draft_lens))
         total = per_pass * len(batches) - reused + len(sampled) * settings.fidelity_contexts
         self.bar = tqdm(total=total, desc="draftsmith eval", unit="decode", file=sys.stderr, disable=not progress,
@@ -162,7 +172,7 @@ class _Work:
             self.peak.start()
             for draft_len in [0, *self.s.draft_lens]:
                 decoder = self.spec if draft_len else self.plain
-                shared = self.plain_passes if not draft_len and self.plain_passes is not None else None
+                shared = self.plain_passes.passes if not draft_len and self.plain_passes is not None else None
                 if shared is not None and all((mode, batch) in shared for mode in self.s.modes):
                     passes.update({(mode, 0, batch): shared[mode, batch] for mode in self.s.modes})
                     continue

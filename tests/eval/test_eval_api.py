@@ -73,9 +73,10 @@ def test_fidelity_check_tells_exact_from_lossy(target, models, verifier, passes)
 
 
 def test_drafters_share_one_plain_pass(target, prompts, models, monkeypatch):
-    """Evaluating several drafters with one `plain_passes` dict decodes plainly once; the reports carry the
+    """Evaluating several drafters with one `PlainPasses` decodes plainly once; the reports carry the
     same plain figures; a cache filled under other decoding settings is refused."""
     from draftsmith.eval import run as eval_run
+    from draftsmith.eval.run import PlainPasses
     from draftsmith.speculative.errors import InvalidInputError
 
     plain_decodes = []
@@ -87,7 +88,7 @@ def test_drafters_share_one_plain_pass(target, prompts, models, monkeypatch):
         return original(decoder, *args, **kwargs)
 
     monkeypatch.setattr(eval_run, "decode_pass", counting)
-    shared = {}
+    shared = PlainPasses()
     first = evaluate(target, str(models / "random"), prompts, small(), progress=False, plain_passes=shared)
     second = evaluate(target, "ngram", prompts, small(), progress=False, plain_passes=shared)
     assert plain_decodes == ["greedy"]
