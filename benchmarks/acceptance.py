@@ -6,8 +6,9 @@
 Greedy decoding of chat prompts spread over ../shared/data/eval_prompts/vicuna_bench.jsonl and
 arena_hard_v0.1.jsonl. Greedy speculation is exact, so each row's tokens (and therefore its AL) are the
 same in any batch; prompts are decoded in batches only to make the run affordable on a CPU. Every
-drafter's output is checked against the first drafter's (all must equal plain greedy decoding). For
-speed figures at batch 1 use benchmarks/speedup.py.
+drafter's output is checked against the first drafter's (all must equal plain greedy decoding). A lookup
+combination (`ngram+DIR`) also reports the share of rounds its prompt lookup drafted. For speed figures
+at batch 1 use benchmarks/speedup.py.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def measure(target, spec, prompts, args, stops):
             tokens += sum(k * n for k, n in enumerate(stats.emitted_hist))
             hist = stats.emitted_hist if hist is None else [a + b for a, b in zip(hist, stats.emitted_hist)]
     seconds = time.perf_counter() - start
-    return outputs, {"drafter": spec, "acceptance_length": tokens / max(rounds, 1), "rounds": rounds,
-                     "emitted_hist": hist, "seconds": seconds}
+    row = {"drafter": spec, "acceptance_length": tokens / max(rounds, 1), "rounds": rounds,
+           "emitted_hist": hist, "seconds": seconds}
+    if hasattr(proposer, "lookup_rounds"):  # a lookup combination: how often each side drafted
+        row["lookup_share"] = proposer.lookup_rounds / max(proposer.lookup_rounds + proposer.model_rounds, 1)
+    return outputs, row
 
 
 def main(argv=None) -> int:
@@ -81,10 +85,11 @@ def main(argv=None) -> int:
         print(f"{spec}: AL {row['acceptance_length']:.3f} in {row['seconds']:.0f} s", file=sys.stderr, flush=True)
     print(f"\ntarget {target.name}; {len(prompts)} prompts (vicuna_bench + arena-hard), greedy, D={args.draft_len}, "
           f"{args.max_new_tokens} new tokens, batches of {args.batch_size}")
-    print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s}")
+    print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s} {'lookup rounds':>14s}")
     for r in rows:
+        share = f"{r['lookup_share']:.0%}" if "lookup_share" in r else "-"
         print(f"{r['drafter']:45s} {r['acceptance_length']:6.3f} {r['rounds']:7d} {r['seconds']:8.0f} "
-              f"{r['identical_outputs']:>5d}/{len(prompts)}")
+              f"{r['identical_outputs']:>5d}/{len(prompts)} {share:>14s}")
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     return 0
