@@ -74,10 +74,13 @@ class TrainerState:
             setattr(self, key, value)
 
 
-def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None) -> dict:
+def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
+          al_before: dict | None = None) -> dict:
     """Run the recipe to completion (resuming from its last checkpoint) and save the drafter.
 
-    `lineage` (from `draftsmith retune`) is recorded in the drafter's config.
+    `lineage` (from `draftsmith retune`) is recorded in the drafter's config. `al_before`: the
+    held-out AL of the untrained drafter when the caller has just measured it (`retune` does), so
+    it is not decoded twice.
     """
     out = Path(recipe.output_dir)
     check_output_dir(out)
@@ -105,7 +108,8 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None)
     start_trackers(accelerator, recipe, out, resumed)
 
     if state.step == 0 and is_main:
-        state.al_before = evaluate(drafter, target, data, recipe, step=0, accelerator=accelerator)
+        state.al_before = (dict(al_before, step=0) if al_before is not None
+                           else evaluate(drafter, target, data, recipe, step=0, accelerator=accelerator))
     bar = tqdm(total=recipe.train.steps, initial=state.step, desc=f"training {recipe.name}", file=sys.stderr,
                disable=not (progress and is_main), dynamic_ncols=True)
     while state.step < recipe.train.steps:

@@ -59,8 +59,9 @@ def retune(options: RetuneOptions) -> dict:
     cfg = recipe.train
     old_level = None
     if old_target is not None:
-        old_level = held_out_al(recipe, old_target, prompts)
-    before = held_out_al(recipe, new_target, prompts)
+        old_level = held_out_al(recipe, old_target, prompts)["acceptance_length"]
+    measured_before = held_out_al(recipe, new_target, prompts)
+    before = measured_before["acceptance_length"]
     goal = old_level if old_level is not None else info.training.get("al_after", {}).get("acceptance_length")
     report(f"old drafter: held-out AL {fmt(old_level)} on the old target, {before:.3f} on the new one "
            f"(D={cfg.eval_draft_len}); re-tuning until AL >= {fmt(goal)} or {options.budget_steps} steps")
@@ -75,7 +76,7 @@ def retune(options: RetuneOptions) -> dict:
         "al_old_target": old_level,
         "al_new_target_before": before,
     }
-    summary = train(recipe, progress=options.progress, lineage=lineage)
+    summary = train(recipe, progress=options.progress, lineage=lineage, al_before=measured_before)
     after = summary["al_after"]["acceptance_length"]
     scratch = info.training
     result = {
@@ -131,11 +132,11 @@ def retune_recipe(recorded: dict, options: RetuneOptions):
     return validate_recipe(raw, f"the recipe recorded in {options.drafter}")
 
 
-def held_out_al(recipe, target, prompts) -> float:
-    """The old drafter's greedy AL against `target` on the held-out prompts."""
+def held_out_al(recipe, target, prompts) -> dict:
+    """The old drafter's greedy acceptance against `target` on the held-out prompts."""
     drafter = build_drafter(recipe, target)  # init_from = the old drafter, unchanged
     return acceptance_length(drafter, target, prompts, draft_len=recipe.train.eval_draft_len,
-                             max_new_tokens=recipe.train.eval_max_new_tokens)["acceptance_length"]
+                             max_new_tokens=recipe.train.eval_max_new_tokens)
 
 
 def fmt(value) -> str:
