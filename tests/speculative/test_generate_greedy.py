@@ -35,11 +35,13 @@ def make_proposer(kind, target, random_drafter):
         "ngram": lambda: NGramProposer(),
         # Lookup rows and model rows mix within a batch and alternate within a row.
         "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 2), DraftModelProposer(random_drafter)),
+        # The model guesses right where lookup is wrong: its fed tokens on lookup rows match emitted ones.
+        "lookup-first-same": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(target)),
         "none": lambda: None,
     }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "lookup-first", "none"])
+@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "lookup-first", "lookup-first-same", "none"])
 @pytest.mark.parametrize("draft_len", range(1, 9))
 def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter, reference):
     decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter))
@@ -57,7 +59,7 @@ def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter,
         assert stats.acceptance_length < 1.3
     if kind == "none":
         assert stats.acceptance_length == 1.0
-    if kind == "lookup-first":
+    if kind.startswith("lookup-first"):
         assert decoder.proposer.lookup_rounds > 0 and decoder.proposer.model_rounds > 0
 
 
