@@ -27,9 +27,8 @@ def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=
     combined = split_combined(spec)
     if combined is not None:
         lookup_spec, drafter_spec = combined
-        sizes = [_positive_int(x, spec) for x in lookup_spec.split(":")[1:]] or [3]
         # A single-token match says little; in a combination it is the drafter's turn (MIN defaults to 2).
-        lookup = NGramProposer(max_ngram=sizes[0], min_ngram=sizes[1] if len(sizes) > 1 else min(2, sizes[0]))
+        lookup = _ngram(lookup_spec.partition(":")[2], spec, default_min=2)
         drafter = build_proposer(drafter_spec, target, device=device, dtype=dtype,
                                  allow_target_mismatch=allow_target_mismatch)
         if drafter is None or isinstance(drafter, (NGramProposer, LookupFirstProposer)):
@@ -37,8 +36,7 @@ def build_proposer(spec: str | None, target: LoadedModel, *, device=None, dtype=
         return LookupFirstProposer(lookup, drafter)
     kind, _, arg = spec.partition(":")
     if kind == "ngram":
-        sizes = [_positive_int(x, spec) for x in arg.split(":")] if arg else [3]
-        return NGramProposer(max_ngram=sizes[0], min_ngram=sizes[1] if len(sizes) > 1 else 1)
+        return _ngram(arg, spec, default_min=1)
     if kind == "early-exit":
         if not arg:
             raise InvalidInputError("early-exit needs a layer count, e.g. --drafter early-exit:8")
@@ -58,6 +56,12 @@ def split_combined(spec: str) -> tuple[str, str] | None:
     if not plus or Path(spec).expanduser().exists() or head.partition(":")[0] != "ngram":
         return None
     return head, rest
+
+
+def _ngram(sizes_text: str, spec: str, default_min: int) -> NGramProposer:
+    """NGramProposer from "MAX[:MIN]" (empty: MAX = 3); MIN defaults to min(default_min, MAX)."""
+    sizes = [_positive_int(x, spec) for x in sizes_text.split(":")] if sizes_text else [3]
+    return NGramProposer(max_ngram=sizes[0], min_ngram=sizes[1] if len(sizes) > 1 else min(default_min, sizes[0]))
 
 
 def _positive_int(text: str, spec: str) -> int:

@@ -92,7 +92,7 @@ FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
      "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered"],
 )
 def test_emitted_distribution_matches_target(name, small_target, small_drafter):
-    params = FILTERED if name == "filtered" else PARAMS
+    params = FILTERED if name.endswith("filtered") else PARAMS
     proposer = {
         "random-drafter": lambda: DraftModelProposer(small_drafter),
         "same-as-target": lambda: DraftModelProposer(small_target),  # p == q
@@ -108,10 +108,7 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
         "lookup-first-filtered": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
     }[name]()
-    if name.endswith("filtered"):
-        params = FILTERED
     if name.startswith("dynamic-length"):
-        params = FILTERED if name.endswith("filtered") else PARAMS
         tokens, decode_stats = sample_runtime(small_target, proposer, params, draft_confidence=0.1)
         _, fixed = sample_runtime(small_target, DraftModelProposer(small_drafter), params)
         # The rule cut some drafts short and let others reach the second position.
