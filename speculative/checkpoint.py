@@ -5,6 +5,9 @@
                `AutoModelForCausalLM` and works as `assistant_model` in Hugging Face `generate`.
     medusa     config.json {"draftsmith": record, "medusa": head config}, heads.safetensors (the heads
                only; a shared lm_head is the target's and is not stored), tokenizer files.
+    eagle      config.json {"draftsmith": record, "eagle": {num_layers, hidden_size, vocab_size}},
+               eagle.safetensors (projection, decoder layers, final norm; the embeddings and lm_head
+               are the target's), tokenizer files. The layers take the target's architecture.
 
 The "draftsmith" record (`DrafterInfo`): format version, drafter kind, the target's name and weight
 identity hash, the tokenizer hash, the recipe, a training summary, and for a re-tuned drafter its
@@ -31,13 +34,15 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.speculative.errors import DraftsmithError, InvalidInputError, ModelLoadError
 from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model, tokenizer_hash
+from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
 from draftsmith.speculative.proposers import DraftModelProposer, Proposer
 
 FORMAT_VERSION = 1
 RECORD_KEY = "draftsmith"
 MEDUSA_WEIGHTS = "heads.safetensors"
-KINDS = ("draft-lm", "medusa")
+EAGLE_WEIGHTS = "eagle.safetensors"
+KINDS = ("draft-lm", "medusa", "eagle")
 
 
 class TargetMismatchError(DraftsmithError):
@@ -46,7 +51,7 @@ class TargetMismatchError(DraftsmithError):
 
 @dataclass
 class DrafterInfo:
-    kind: str  # "draft-lm" | "medusa"
+    kind: str  # "draft-lm" | "medusa" | "eagle"
     target_name: str
     target_hash: str
     tokenizer_hash: str
@@ -90,10 +95,19 @@ def save_draft_lm(out_dir: Path, model, tokenizer, info: DrafterInfo, *, overwri
 
 
 def save_medusa(out_dir: Path, heads: MedusaHeads, tokenizer, info: DrafterInfo, *, overwrite: bool = False) -> Path:
+    return _save_module(out_dir, heads, MEDUSA_WEIGHTS, {"medusa": heads.config()}, tokenizer, info, overwrite)
+
+
+def save_eagle(out_dir: Path, drafter: EagleDrafter, tokenizer, info: DrafterInfo, *, overwrite: bool = False) -> Path:
+    return _save_module(out_dir, drafter, EAGLE_WEIGHTS, {"eagle": drafter.spec()}, tokenizer, info, overwrite)
+
+
+def _save_module(out_dir: Path, module, weights: str, spec: dict, tokenizer, info: DrafterInfo, overwrite: bool) -> Path:
+    """A drafter whose weights are one safetensors file beside a config.json of its record and spec."""
     def write(scratch: Path) -> None:
-        state = {k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}
-        save_file(state, str(scratch / MEDUSA_WEIGHTS))
-        record = {RECORD_KEY: asdict(info), "medusa": heads.config()}
+        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        save_file(state, str(scratch / weights))
+        record = {RECORD_KEY: asdict(info), **spec}
         (scratch / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         tokenizer.save_pretrained(scratch)
 
@@ -164,6 +178,8 @@ def load_drafter(path: str | Path, target: LoadedModel, *, allow_target_mismatch
         check_target(info, target, path, allow_mismatch=allow_target_mismatch)
     if info is not None and info.kind == "medusa":
         return MedusaProposer(load_medusa_heads(path, target, device=device, dtype=dtype)), info
+    if info is not None and info.kind == "eagle":
+        return EagleProposer(load_eagle(path, target, device=device, dtype=dtype)), info
     drafter = load_model(str(path), device=device, dtype=dtype)
     check_same_tokenizer(target.tokenizer, drafter.tokenizer, target.name, str(path))
     return DraftModelProposer(drafter.model), info
@@ -187,3 +203,24 @@ def load_medusa_heads(path: Path, target: LoadedModel, *, device=None, dtype=Non
     heads.attach_lm_head(lm_head)
     return heads.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
 
+
+
+def load_eagle(path: Path, target: LoadedModel, *, device=None, dtype=None) -> EagleDrafter:
+    record = json.loads((Path(path) / "config.json").read_text())
+    try:
+        spec = record["eagle"]
+        num_layers = int(spec["num_layers"])
+        sizes = (int(spec["hidden_size"]), int(spec["vocab_size"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"corrupt eagle config in {path}/config.json: {exc!r}") from None
+    lm_head = target.model.get_output_embeddings()
+    if sizes != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
+        raise ModelLoadError(f"eagle drafter in {path} is {sizes[0]}x{sizes[1]}, the target is "
+                             f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
+    drafter = EagleDrafter(target.model.config, num_layers)
+    try:
+        drafter.load_state_dict(load_file(str(Path(path) / EAGLE_WEIGHTS)), strict=True)
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load eagle weights from {path}: {str(exc).splitlines()[0]}") from None
+    drafter.attach_target(target.model)
+    return drafter.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()

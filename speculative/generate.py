@@ -246,11 +246,18 @@ class _Run:
     def prefill(self) -> None:
         t0 = time.perf_counter()
         context = [h[:-1] for h in self.history]
+        proposer = self.d.proposer
+        wants_states = proposer is not None and proposer.needs_target_states
+        states = [torch.zeros(0, 0, device=self.d.device) for _ in context]
         if max(len(c) for c in context) > 0:
             tokens, valid = left_pad(context, self.d.device)
-            self.target_kv.forward(tokens, valid, logits_to_keep=1)
-        if self.d.proposer is not None:
-            self.d.proposer.begin(self.history, self.sampling, self.rng)
+            out = self.target_kv.forward(tokens, valid, logits_to_keep=1, output_hidden_states=wants_states)
+            if wants_states:
+                states = [h[v] for h, v in zip(out.hidden_states[-1], valid)]
+        if proposer is not None:
+            proposer.begin(self.history, self.sampling, self.rng)
+            if wants_states:
+                proposer.target_states(states)
         self.stats.prefill_s = time.perf_counter() - t0
 
     def round(self) -> None:
@@ -288,7 +295,8 @@ class _Run:
              torch.arange(width, device=device)[None, :] < draft.lens[:, None]],
             dim=1,
         )
-        wants_hidden = self.d.proposer is not None and self.d.proposer.needs_target_hidden
+        proposer = self.d.proposer
+        wants_hidden = proposer is not None and (proposer.needs_target_hidden or proposer.needs_target_states)
         out = self.target_kv.forward(tokens, valid, output_hidden_states=wants_hidden)
         return out.logits, (out.hidden_states[-1] if wants_hidden else None)
 
@@ -318,8 +326,10 @@ class _Run:
         keep = torch.arange(width, device=self.d.device)[None, :] <= out.num_accepted[:, None]
         self.target_kv.keep_last(keep)
         if self.d.proposer is not None:
+            if self.d.proposer.needs_target_states:
+                self.d.proposer.target_states([h[: n + 1] for h, n in zip(hidden, num_accepted)])
             self.d.proposer.commit(num_accepted, emitted)
-        if hidden is not None:
+        if hidden is not None and self.d.proposer.needs_target_hidden:
             self.target_hidden = hidden[torch.arange(len(self.rows), device=hidden.device), out.num_accepted]
         if any(finished):
             self.drop([b for b, f in enumerate(finished) if not f])

@@ -49,6 +49,7 @@ class KVState:
         *,
         logits_to_keep: int = 0,  # 0 = logits for all T slots
         output_hidden_states: bool = False,
+        **model_inputs,  # further per-slot inputs of the model (an EAGLE drafter's features)
     ):
         """Run the model on T new slots per row and append them to the cache."""
         positions = self.lengths[:, None] + valid.long().cumsum(dim=1) - 1
@@ -62,6 +63,7 @@ class KVState:
             use_cache=True,
             logits_to_keep=logits_to_keep,
             output_hidden_states=output_hidden_states,
+            **model_inputs,
         )
         self.mask = full_mask
         self.lengths = self.lengths + valid.sum(dim=1)

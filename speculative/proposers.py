@@ -17,7 +17,10 @@ Proposers without probabilities (prompt lookup) ignore it.
 
 `RoundContext.target_hidden` carries the target's last hidden state at the position that produced the
 newest token, for drafters that read it (Medusa-style heads); a proposer that wants it sets
-`needs_target_hidden = True`. A proposer that drafts deterministically (prompt lookup, heads taking
+`needs_target_hidden = True`. A proposer that sets `needs_target_states = True` (EAGLE-style drafters)
+is handed the target's last hidden state at every position the target has processed and kept:
+through `target_states` once after the prefill (the prompt but its last token) and once per round
+before `commit` (the positions of the emitted tokens). A proposer that drafts deterministically (prompt lookup, heads taking
 their top token) returns `probs=None`, which the verifier treats as a one-hot q: that is exact under
 sampling too, since a deterministic draft is accepted with probability p(token).
 """
@@ -63,6 +66,7 @@ class RoundContext:
 class Proposer(ABC):
     name: str = "proposer"
     needs_target_hidden: bool = False
+    needs_target_states: bool = False
 
     def begin(self, prompts: list[list[int]], sampling: BatchSampling, rng: RowGenerators) -> None:
         """Called once per `generate` call before the first round."""
@@ -72,6 +76,12 @@ class Proposer(ABC):
 
     def commit(self, num_accepted: list[int], emitted: list[list[int]]) -> None:
         """emitted[b]: the tokens row b emitted this round (accepted drafts + recovered/bonus)."""
+
+    def target_states(self, states: list[torch.Tensor]) -> None:
+        """(`needs_target_states` only) states[b]: [n_b, H], the target's last hidden state at each
+        position it has just processed and kept for row b, in order. After the prefill these are
+        the prompt's positions but the last; after a round, the n_b = len(emitted[b]) positions whose
+        outputs were the emitted tokens (position j's state produced emitted[b][j])."""
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these rows (indices into the current batch)."""
@@ -111,11 +121,11 @@ class DraftModelProposer(Proposer):
             return Draft.empty(batch, self.device)
         sampled = ~ctx.sampling.greedy
         any_sampled = bool(sampled.any())
-        tokens, valid = left_pad(self.pending, self.device)
+        tokens, valid = self._draft_inputs()
         lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
         drafts, probs = [], []
         for step in range(draft_len):
-            logits = self.kv.forward(tokens, valid, logits_to_keep=1).logits[:, -1:]  # [B, 1, V]
+            logits = self._draft_forward(tokens, valid)  # [B, 1, V]
             if bool(torch.isnan(logits).any()):
                 raise NumericalError("the drafter produced NaN logits; check its weights and dtype")
             token = logits[:, 0].argmax(dim=-1)  # greedy rows; lowest index on ties
@@ -137,6 +147,14 @@ class DraftModelProposer(Proposer):
         self._fed_drafts = len(drafts) - 1
         self._fed_tokens = torch.stack(drafts[: self._fed_drafts], 1).tolist() if self._fed_drafts > 0 else []
         return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None)
+
+    def _draft_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first draft step's inputs: every row's pending tokens, left-padded."""
+        return left_pad(self.pending, self.device)
+
+    def _draft_forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Append one draft step's slots to the cache; the logits after the last one, [B, 1, V]."""
+        return self.kv.forward(tokens, valid, logits_to_keep=1).logits[:, -1:]
 
     @staticmethod
     def _stop_unconfident(lens, step, logits, q, token, sampled, threshold) -> torch.Tensor:
@@ -286,6 +304,7 @@ class LookupFirstProposer(Proposer):
         self.lookup, self.drafter = lookup, drafter
         self.name = f"{lookup.name}+{drafter.name}"
         self.needs_target_hidden = drafter.needs_target_hidden
+        self.needs_target_states = drafter.needs_target_states
         self.lookup_rounds = 0  # rows x rounds drafted by lookup, for statistics
         self.model_rounds = 0
 
@@ -325,6 +344,9 @@ class LookupFirstProposer(Proposer):
 
     def commit(self, num_accepted, emitted):
         self.drafter.commit(num_accepted, emitted)
+
+    def target_states(self, states):
+        self.drafter.target_states(states)
 
     def select_rows(self, rows):
         self.drafter.select_rows(rows)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
 from draftsmith.speculative.loading import LoadedModel
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
 from draftsmith.speculative.prompts import stop_token_ids
@@ -19,6 +20,8 @@ from draftsmith.train.modules import inference_model
 def proposer_for(drafter: torch.nn.Module) -> Proposer:
     if isinstance(drafter, MedusaHeads):
         return MedusaProposer(drafter)
+    if isinstance(drafter, EagleDrafter):
+        return EagleProposer(drafter)
     return DraftModelProposer(inference_model(drafter))
 
 

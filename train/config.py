@@ -27,13 +27,15 @@ class Section(BaseModel):
 
 
 class DrafterConfig(Section):
-    kind: Literal["draft-lm", "medusa"] = "draft-lm"
-    """draft-lm: a small causal LM with the target's tokenizer; medusa: heads on the target's hidden state."""
+    kind: Literal["draft-lm", "medusa", "eagle"] = "draft-lm"
+    """draft-lm: a small causal LM with the target's tokenizer; medusa: heads on the target's hidden state;
+    eagle: decoder layers reading the target's hidden states and the tokens after them (EAGLE-1)."""
     init_from: str | None = None
     """Warm start: a draft-LM (any causal LM directory or hub id with the target's tokenizer) or a
-    draftsmith Medusa directory to start from, instead of building a fresh drafter from the target."""
+    draftsmith Medusa or EAGLE directory to start from, instead of building a fresh drafter from the target."""
     num_layers: int = Field(2, ge=1)
-    """draft-lm: decoder layers (the target's first layers are copied when the width matches)."""
+    """draft-lm: decoder layers (the target's first layers are copied when the width matches);
+    eagle: decoder layers after the feature/token projection (1 in EAGLE)."""
     hidden_size: int | None = Field(None, ge=8)
     """draft-lm: a narrower width than the target's (random init then); None keeps the target's."""
     init_from_target: bool = True
@@ -89,6 +91,9 @@ class LossConfig(Section):
     """medusa: per-head loss weights; default head_decay**k."""
     head_decay: float = Field(0.8, gt=0.0, le=1.0)
     """medusa: weight of head k is head_decay**k unless head_weights is given."""
+    feature_weight: float = Field(1.0, ge=0.0)
+    """eagle: weight of the smooth-L1 regression of the predicted feature on the target's, added to the
+    token loss (EAGLE trains both)."""
 
 
 class OnPolicyConfig(Section):

@@ -103,7 +103,7 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     if recipe.teacher.mode == "offline":
         teacher_dir = cache_root / f"teacher-{key}-{cfg.max_length}-k{recipe.teacher.top_k}"
         teacher = cache_teacher_signals(target, train, teacher_dir, top_k=recipe.teacher.top_k,
-                                        hidden=recipe.drafter.kind == "medusa", progress=progress and is_main)
+                                        hidden=recipe.drafter.kind in ("medusa", "eagle"), progress=progress and is_main)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
     return TrainingData(train=train, heldout_prompts=prompts, teacher=teacher, source=source)
 

@@ -39,7 +39,8 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
-from draftsmith.speculative.checkpoint import DrafterInfo, save_draft_lm, save_medusa
+from draftsmith.speculative.checkpoint import DrafterInfo, save_draft_lm, save_eagle, save_medusa
+from draftsmith.speculative.eagle import EagleDrafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
@@ -51,7 +52,7 @@ from draftsmith.train.config import Recipe
 from draftsmith.train.data_prep import TrainingData, prepare_data
 from draftsmith.train.losses import distill_loss, top1_agreement
 from draftsmith.train.modules import (
-    DraftLMForTraining, MedusaForTraining, build_drafter, final_drafter, freeze, inference_model,
+    DraftLMForTraining, EagleForTraining, MedusaForTraining, build_drafter, final_drafter, freeze, inference_model,
 )
 
 
@@ -94,7 +95,7 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
         data = prepare_data(recipe, target, is_main=is_main, progress=progress)
 
     drafter = build_drafter(recipe, target)
-    module = MedusaForTraining(drafter) if isinstance(drafter, MedusaHeads) else DraftLMForTraining(drafter)
+    module = training_module(drafter)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if not trainable:
         raise InvalidInputError("the recipe leaves no drafter parameter trainable")
@@ -143,6 +144,14 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def training_module(drafter):
+    if isinstance(drafter, MedusaHeads):
+        return MedusaForTraining(drafter)
+    if isinstance(drafter, EagleDrafter):
+        return EagleForTraining(drafter)
+    return DraftLMForTraining(drafter)
 
 
 # --- one optimizer step ---------------------------------------------------------------------------
@@ -197,6 +206,8 @@ def compute_loss(module, batch, target, data, recipe, accelerator):
     unwrapped = accelerator.unwrap_model(module)
     if isinstance(unwrapped, MedusaForTraining):
         return medusa_loss(module, batch, target, data, recipe)
+    if isinstance(unwrapped, EagleForTraining):
+        return eagle_loss(module, batch, target, data, recipe)
     return draft_lm_loss(module, batch, target, data, recipe)
 
 
@@ -233,6 +244,26 @@ def medusa_loss(module, batch, target, data, recipe):
         teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
         agree[f"agreement/head{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
     return total / sum(weights), tokens, agree
+
+
+def eagle_loss(module, batch, target, data, recipe):
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    hidden = target_hidden(batch, target, data)  # [B, L, H], no grad
+    dtype = next(module.parameters()).dtype
+    # Slot t pairs the target's feature f_t with token t + 1; its output guesses f_{t+1}, whose lm_head
+    # output predicts token t + 2 (an answer token at the positions that count).
+    positions = batch["loss_mask"][:, 2:].bool().nonzero()  # [N, 2]: (row, t)
+    rows, t = positions[:, 0], positions[:, 1]
+    student, predicted = module(ids[:, 1:], hidden[:, :-1].to(dtype), mask[:, 1:], positions)
+    next_positions = torch.stack([rows, t + 1], dim=1)
+    teacher_logits, teacher_probs = teacher_at(next_positions, batch, target, data, recipe, hidden=hidden)
+    token_loss = distill_loss(recipe.loss.kind, student, labels=ids[rows, t + 2], teacher_logits=teacher_logits,
+                              teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
+    feature_loss = torch.nn.functional.smooth_l1_loss(predicted.float(), hidden[rows, t + 1].float())
+    loss = token_loss + recipe.loss.feature_weight * feature_loss
+    teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
+    return loss, int(positions.shape[0]), {"agreement/pos1": float(top1_agreement(student.detach(), teacher_top)),
+                                           "loss/feature": float(feature_loss.detach())}
 
 
 @torch.no_grad()
@@ -416,8 +447,10 @@ def reached_goal(recipe: Recipe, state: TrainerState, accelerator) -> bool:
 
 
 def save_final(drafter, target, recipe: Recipe, summary: dict, out: Path, lineage: dict | None = None) -> Path:
-    kind = "medusa" if isinstance(drafter, MedusaHeads) else "draft-lm"
+    kind = "medusa" if isinstance(drafter, MedusaHeads) else "eagle" if isinstance(drafter, EagleDrafter) else "draft-lm"
     info = DrafterInfo.for_target(kind, target, recipe=recipe.model_dump(), training=summary, lineage=lineage)
     if kind == "medusa":
         return save_medusa(out / "drafter", drafter, target.tokenizer, info)
+    if kind == "eagle":
+        return save_eagle(out / "drafter", drafter, target.tokenizer, info)
     return save_draft_lm(out / "drafter", final_drafter(drafter), target.tokenizer, info)

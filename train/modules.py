@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from draftsmith.speculative.checkpoint import load_medusa_heads
+from draftsmith.speculative.checkpoint import load_eagle, load_medusa_heads
 from draftsmith.speculative.draft_lm import build_draft_lm
+from draftsmith.speculative.eagle import EagleDrafter
 from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model
 from draftsmith.speculative.medusa import MedusaHeads
 from draftsmith.train.config import Recipe
@@ -45,9 +46,32 @@ class MedusaForTraining(nn.Module):
         return logits
 
 
+class EagleForTraining(nn.Module):
+    def __init__(self, drafter: EagleDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids, features, attention_mask, positions):
+        """Pairs (features[b, t], input_ids[b, t]) -> (logits [N, V], predicted features [N, H]) at
+        positions [N, 2] (row, t)."""
+        predicted = self.drafter.predict_features(input_ids, features, attention_mask)
+        predicted = predicted[positions[:, 0], positions[:, 1]]
+        return self.drafter.lm_head(predicted), predicted
+
+
 def build_drafter(recipe: Recipe, target: LoadedModel) -> nn.Module:
     """The untrained drafter the recipe asks for (requires_grad set on what trains)."""
     cfg = recipe.drafter
+    if cfg.kind == "eagle":
+        if cfg.init_from:
+            drafter = load_eagle(Path(cfg.init_from), target)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(recipe.train.seed)
+                drafter = EagleDrafter(target.model.config, cfg.num_layers)
+            drafter.attach_target(target.model, init_norm=True)
+        lm_head = target.model.get_output_embeddings()
+        return drafter.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).train()
     if cfg.kind == "medusa" and cfg.init_from:
         heads = load_medusa_heads(Path(cfg.init_from), target)
         return heads.train()

@@ -1,0 +1,170 @@
+"""EAGLE-style feature drafter (Li et al. 2024, EAGLE-1) and its chain proposer.
+
+The target's last hidden state f_t (the final-norm output its lm_head reads, `hidden_states[-1]` in
+transformers) already says most of what the target will write next. The drafter is a few decoder
+layers of the target's own architecture, with their own KV cache, whose input at position t is
+
+    fc([f_t ; e(x_{t+1})])        the target's feature at t and the embedding of the token after it
+
+Its output f^_{t+1} (after its final norm) is a guess of the target's feature at t+1, and the
+target's lm_head turns it into a guess of token x_{t+2}. While drafting, the guess stands in for the
+true feature: (f^_{t+1}, d_1) -> f^_{t+2} -> d_2 -> ... After each verification the drafter's own
+draft slots are dropped and the target's true features for the emitted tokens take their place, so
+only the first draft step of a round reads nothing but true features.
+
+Unlike Medusa heads (which guess token t+1+k from f_t alone), the drafter knows every token it builds
+on; unlike a small draft LM, it reads the target's features instead of re-deriving them from tokens.
+The embeddings and lm_head are the target's, shared and frozen, stored nowhere in the checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModel
+
+from draftsmith.speculative.draft_lm import draft_lm_config
+from draftsmith.speculative.kv import KVState
+from draftsmith.speculative.proposers import Draft, DraftModelProposer, RoundContext, left_pad
+
+
+@dataclass
+class EagleOutput:
+    logits: torch.Tensor  # [B, T', V] at the kept positions
+    features: torch.Tensor  # [B, T', H] the predicted next features there
+
+
+class EagleDrafter(nn.Module):
+    """fc over [feature ; token embedding], `num_layers` decoder layers of the target's architecture and
+    a final norm; the target's embeddings and lm_head are attached with `attach_target`."""
+
+    def __init__(self, target_config, num_layers: int = 1):
+        super().__init__()
+        self.config = draft_lm_config(target_config, num_layers)
+        self.num_layers = num_layers
+        hidden = self.config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.decoder = AutoModel.from_config(self.config)
+        self.decoder.embed_tokens = None  # inputs come from fc; the target's embeddings are shared
+        self._target: list[nn.Module] = []  # [embed_tokens, lm_head], a list so they are not submodules
+
+    def attach_target(self, target: nn.Module, *, init_norm: bool = False) -> "EagleDrafter":
+        """Share the target's embeddings and lm_head (not saved). `init_norm` copies the target's final
+        norm into the drafter's, so an untrained drafter's outputs already live on the target's scale."""
+        self._target = [target.get_input_embeddings(), target.get_output_embeddings()]
+        if init_norm:
+            with torch.no_grad():
+                self.decoder.norm.weight.copy_(target.get_decoder().norm.weight)
+        return self
+
+    def spec(self) -> dict:
+        return {"num_layers": self.num_layers, "hidden_size": self.config.hidden_size,
+                "vocab_size": self.config.vocab_size}
+
+    @property
+    def lm_head(self) -> nn.Module:
+        if not self._target:
+            raise RuntimeError("EagleDrafter needs attach_target(target) before use")
+        return self._target[1]
+
+    def predict_features(self, input_ids, features, attention_mask=None, position_ids=None, cache=None,
+                         use_cache: bool = False) -> torch.Tensor:
+        """[B, T] tokens x_{t+1} and [B, T, H] target features f_t -> [B, T, H] predicted f^_{t+1}."""
+        embed = self._target[0](input_ids)
+        x = self.fc(torch.cat([features.to(embed.dtype), embed], dim=-1))
+        out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
+                           cache=cache, use_cache=use_cache)
+        return out.last_hidden_state
+
+    def forward(self, input_ids, features, attention_mask=None, position_ids=None, cache=None,
+                use_cache: bool = False, logits_to_keep: int = 0, **_) -> EagleOutput:
+        """The runtime's call (through `KVState`): logits and predicted features at the last
+        `logits_to_keep` slots (all with 0)."""
+        predicted = self.predict_features(input_ids, features, attention_mask, position_ids, cache, use_cache)
+        if logits_to_keep:
+            predicted = predicted[:, -logits_to_keep:]
+        return EagleOutput(logits=self.lm_head(predicted), features=predicted)
+
+
+class EagleProposer(DraftModelProposer):
+    """Chain drafting with an `EagleDrafter`: greedy or sampled like a draft LM (q is the drafter's
+    processed distribution), with the same confidence stop.
+
+    Per row it keeps the pairs (true feature f_t, token x_{t+1}) not yet in its cache. A round's first
+    draft step feeds them, later steps feed (predicted feature, draft token); `commit` drops every
+    slot but those true pairs and queues the round's new ones (the target's features at the emitted
+    tokens' positions, with the emitted tokens). A row without any pair yet (a one-token prompt's
+    first round) feeds a placeholder slot, which is dropped too, and drafts nothing.
+    """
+
+    name = "eagle"
+    needs_target_states = True
+
+    def __init__(self, drafter: EagleDrafter, device=None):
+        super().__init__(drafter, device)
+        self.pending_features: list[torch.Tensor] = []  # per row: [n, H] true features, pairs with pending
+        self._states: list[torch.Tensor] = []  # the target's states handed over for the next commit
+        self._first_valid: torch.Tensor | None = None  # [B, T] real pairs among the first step's slots
+        self._features: torch.Tensor | None = None  # inputs of the next draft step's slots
+        self._after_prefill = False
+
+    def begin(self, prompts, sampling, rng):
+        self.kv = KVState(self.model, len(prompts), self.device)
+        self.pending = [list(p[1:]) for p in prompts]  # token x_{t+1} of each prompt position t but the last
+        self.pending_features = [torch.zeros(0, self.model.config.hidden_size, device=self.device) for _ in prompts]
+        self._after_prefill = True
+        self._fed_drafts = -1
+
+    def target_states(self, states):
+        dtype, hidden = next(self.model.parameters()).dtype, self.model.config.hidden_size
+        states = [s.to(self.device, dtype).reshape(-1, hidden) for s in states]
+        if self._after_prefill:  # the prompts' states: they pair with the prompts' tokens
+            self.pending_features, self._after_prefill = states, False
+        else:  # a round's states: they pair with its emitted tokens, at commit
+            self._states = states
+
+    def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
+        # A row with no true pair yet has nothing to draft from.
+        max_lens = [m if p else 0 for m, p in zip(ctx.max_lens, self.pending)]
+        if max_lens != ctx.max_lens:
+            ctx = RoundContext(ctx.history, max_lens, ctx.sampling, ctx.rng, ctx.target_hidden, ctx.min_confidence)
+        return super().propose(ctx, draft_len)
+
+    def _draft_inputs(self):
+        tokens, self._first_valid = left_pad(self.pending, self.device)  # some row has pairs (see propose)
+        width = tokens.shape[1]
+        self._features = torch.zeros(len(self.pending), width, self.model.config.hidden_size,
+                                     dtype=next(self.model.parameters()).dtype, device=self.device)
+        for b, f in enumerate(self.pending_features):
+            if len(f):
+                self._features[b, width - len(f):] = f
+        valid = self._first_valid.clone()
+        valid[:, -1] = True  # a placeholder slot for rows without pairs: dropped at commit
+        return tokens, valid
+
+    def _draft_forward(self, tokens, valid):
+        out = self.kv.forward(tokens, valid, logits_to_keep=1, features=self._features)
+        self._features = out.features  # [B, 1, H]: the guess the next step builds on
+        return out.logits
+
+    def skip_round(self) -> None:
+        self._fed_drafts = -1
+
+    def commit(self, num_accepted, emitted):
+        if self._fed_drafts >= 0:  # drop the draft slots and placeholders; the true pairs stay
+            first = self._first_valid
+            drafts = torch.zeros(first.shape[0], self._fed_drafts, dtype=torch.bool, device=self.device)
+            self.kv.keep_last(torch.cat([first, drafts], dim=1))
+            self.pending = [[] for _ in self.pending]
+            self.pending_features = [f[:0] for f in self.pending_features]
+        self.pending = [p + e for p, e in zip(self.pending, emitted)]
+        self.pending_features = [torch.cat([f, s]) for f, s in zip(self.pending_features, self._states)]
+        self._fed_drafts = -1
+
+    def select_rows(self, rows):
+        self.kv.select_rows(rows)
+        keep = rows.tolist()
+        self.pending = [self.pending[i] for i in keep]
+        self.pending_features = [self.pending_features[i] for i in keep]
