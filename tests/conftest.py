@@ -33,3 +33,40 @@ def target():
 def random_drafter():
     """An unrelated random model with the same vocabulary: nearly every draft is rejected."""
     return tiny_model(1, num_layers=1)
+
+
+def _fit_eagle(target, prompts, max_new_tokens, steps=150, seed=0):
+    """An EAGLE drafter that has learnt the target's greedy continuations of `prompts` by heart
+    (teacher-forced features, hard labels; a few seconds). Decoding those prompts, most of its drafts
+    are accepted, but only if the runtime hands it the right features for the right tokens."""
+    from draftsmith.speculative.eagle import EagleDrafter
+
+    examples = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, pad_token_id=0)
+            out = target(seq, output_hidden_states=True)
+            examples.append((seq, out.hidden_states[-1], out.logits.argmax(-1)))
+    torch.manual_seed(seed)
+    drafter = EagleDrafter(target.config, 1).attach_target(target, init_norm=True)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        loss = 0.0
+        for seq, features, labels in examples:
+            # Slot t reads (f_t, x_{t+1}); its output guesses f_{t+1}, whose argmax is token t + 2.
+            predicted = drafter.predict_features(seq[:, 1:], features[:, :-1])
+            logits = drafter.lm_head(predicted)[0]
+            loss = loss + torch.nn.functional.cross_entropy(logits, labels[0, 1:]) + \
+                torch.nn.functional.smooth_l1_loss(predicted, features[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def fit_eagle():
+    """fit_eagle(target, prompts, max_new_tokens): an EAGLE drafter that knows those continuations."""
+    return _fit_eagle

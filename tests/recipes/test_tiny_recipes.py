@@ -33,7 +33,7 @@ def tiny(name, out, data_cache, *extra):
     return load_recipe(name, [f"output_dir={out}", f"data.cache_dir={data_cache}", *extra])
 
 
-@pytest.mark.parametrize("name", ["tiny-draft-lm", "tiny-medusa"])
+@pytest.mark.parametrize("name", ["tiny-draft-lm", "tiny-medusa", "tiny-eagle"])
 def test_trained_drafter_beats_untrained_and_serves_exactly(name, tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / name
@@ -44,7 +44,7 @@ def test_trained_drafter_beats_untrained_and_serves_exactly(name, tmp_path, data
 
     drafter = out / "drafter"
     info = read_drafter_info(drafter)
-    assert info.kind == ("medusa" if "medusa" in name else "draft-lm")
+    assert info.kind == name.removeprefix("tiny-")
     assert info.target_name == "tiny-lm:0:4" and info.recipe["name"] == name
     assert info.training["al_after"]["acceptance_length"] == after
     assert list((out / "checkpoints").glob("step-*"))  # periodic checkpoints were written

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from draftsmith.speculative.eagle import EagleProposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
 
@@ -27,7 +28,13 @@ def reference(target):
     return [hf_greedy(target, p, MAX_NEW) for p in PROMPTS]
 
 
-def make_proposer(kind, target, random_drafter):
+@pytest.fixture(scope="module")
+def eagle_drafter(target, fit_eagle):
+    """Knows the continuations of PROMPTS by heart: most drafts accepted, when fed the right features."""
+    return fit_eagle(target, PROMPTS, MAX_NEW)
+
+
+def make_proposer(kind, target, random_drafter, eagle_drafter=None):
     return {
         "same": lambda: DraftModelProposer(target),
         "random": lambda: DraftModelProposer(random_drafter),
@@ -37,14 +44,17 @@ def make_proposer(kind, target, random_drafter):
         "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 2), DraftModelProposer(random_drafter)),
         # The model guesses right where lookup is wrong: its fed tokens on lookup rows match emitted ones.
         "lookup-first-same": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(target)),
+        "eagle": lambda: EagleProposer(eagle_drafter),
+        "lookup-first-eagle": lambda: LookupFirstProposer(NGramProposer(3, 2), EagleProposer(eagle_drafter)),
         "none": lambda: None,
     }[kind]()
 
 
-@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "lookup-first", "lookup-first-same", "none"])
+@pytest.mark.parametrize("kind", ["same", "random", "early-exit", "ngram", "lookup-first", "lookup-first-same", "eagle",
+                                  "lookup-first-eagle", "none"])
 @pytest.mark.parametrize("draft_len", range(1, 9))
-def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter, reference):
-    decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter))
+def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter, eagle_drafter, reference):
+    decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter))
     batch = decoder.generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len)
     assert batch.tokens == reference
     solo = decoder.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, draft_len=draft_len)
@@ -59,6 +69,8 @@ def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter,
         assert stats.acceptance_length < 1.3
     if kind == "none":
         assert stats.acceptance_length == 1.0
+    if kind == "eagle" and draft_len >= 2:  # features and tokens paired right: most drafts accepted
+        assert stats.position_acceptance[0] > 0.8, stats.position_acceptance
     if kind.startswith("lookup-first"):
         assert decoder.proposer.lookup_rounds > 0 and decoder.proposer.model_rounds > 0
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
+from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams, processed_probs
@@ -82,6 +83,12 @@ def masked_drafter(seed):
     return model
 
 
+def eagle_drafter(target):
+    """An untrained EAGLE drafter on `target`: its q is the target's lm_head on a random-ish feature."""
+    torch.manual_seed(13)
+    return EagleDrafter(target.config, 1).attach_target(target, init_norm=True).eval()
+
+
 PARAMS = SamplingParams(temperature=1.0)
 FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
 
@@ -89,7 +96,7 @@ FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
 @pytest.mark.parametrize(
     "name",
     ["random-drafter", "same-as-target", "q-zero-where-p-positive", "early-exit", "ngram", "plain", "filtered",
-     "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered"],
+     "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered", "eagle", "eagle-filtered"],
 )
 def test_emitted_distribution_matches_target(name, small_target, small_drafter):
     params = FILTERED if name.endswith("filtered") else PARAMS
@@ -107,6 +114,9 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         # Rows whose context repeats a token draft by lookup (one-hot q), the others by the draft LM.
         "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
         "lookup-first-filtered": lambda: LookupFirstProposer(NGramProposer(3, 1), DraftModelProposer(small_drafter)),
+        # Drafts sampled from the EAGLE drafter's q, its features its own guesses after the first step.
+        "eagle": lambda: EagleProposer(eagle_drafter(small_target)),
+        "eagle-filtered": lambda: EagleProposer(eagle_drafter(small_target)),
     }[name]()
     if name.startswith("dynamic-length"):
         tokens, decode_stats = sample_runtime(small_target, proposer, params, draft_confidence=0.1)
@@ -121,6 +131,8 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         assert decode_stats.acceptance_length > 2.9  # p == q: every draft accepted (3 tokens, D = 3)
     if name.startswith("lookup-first"):  # both kinds of draft were verified, in the same batches
         assert proposer.lookup_rounds > 100 and proposer.model_rounds > 100
+    if name.startswith("eagle"):  # second drafts (built on a guessed feature) were verified and accepted
+        assert decode_stats.offered[1] > 100 and decode_stats.accepted[1] > 0
 
 
 def always_accept(target_logits, draft_tokens, draft_lens, *rest):

@@ -1,0 +1,138 @@
+"""The EAGLE-style drafter: its cache holds exactly the target's features paired with the next tokens,
+and its checkpoints round-trip."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.speculative.checkpoint import DrafterInfo, load_drafter, read_drafter_info, save_eagle
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
+from draftsmith.speculative.errors import ModelLoadError
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.proposers import LookupFirstProposer, NGramProposer
+from draftsmith.speculative.sampling import SamplingParams
+
+# Ragged lengths, a one-token prompt (no feature before its first round) and a repeating one (lookup).
+PROMPTS = [[1, 72, 101, 108, 108, 111, 32, 119], [1], [1, 65, 66, 67, 65, 66, 67, 65], [1, 50, 43]]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def loaded_target():
+    return load_model("tiny:0:3")
+
+
+@pytest.fixture(scope="module")
+def drafter(loaded_target, fit_eagle):
+    return fit_eagle(loaded_target.model, PROMPTS, MAX_NEW)
+
+
+class RecordingEagle(EagleProposer):
+    """Records, at each round's first draft step, every row's context and the logits the drafter gave."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.records = []
+
+    def propose(self, ctx, draft_len):
+        self._context = [list(h) for h in ctx.history]
+        self._first = True
+        return super().propose(ctx, draft_len)
+
+    def _draft_forward(self, tokens, valid):
+        logits = super()._draft_forward(tokens, valid)
+        if self._first:
+            self.records.append((self._context, logits[:, 0].clone()))
+            self._first = False
+        return logits
+
+
+@pytest.mark.parametrize("with_lookup", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_first_draft_step_equals_a_fresh_pass_over_the_teacher_forced_pairs(loaded_target, drafter, with_lookup,
+                                                                             sampled):
+    """After any number of rounds (drafts accepted, rejected, drafted by lookup instead), the drafter's
+    first step in a row with context x_0..x_n gives the logits of a fresh pass over the pairs
+    (f_t, x_{t+1}), t < n, with f the target's teacher-forced features: its cache is exactly those."""
+    target = loaded_target.model
+    recorder = RecordingEagle(drafter)
+    proposer = LookupFirstProposer(NGramProposer(3, 2), recorder) if with_lookup else recorder
+    params = SamplingParams(0.5, seed=3) if sampled else SamplingParams()
+    result = SpeculativeDecoder(target, proposer).generate(PROMPTS, params, max_new_tokens=MAX_NEW, draft_len=3)
+    # Greedy: most drafts accepted. Sampled: the rows soon leave the learnt continuations, after some.
+    assert recorder.records and (result.stats.accepted[0] > 0 if sampled else result.stats.acceptance_length > 1.5)
+    if with_lookup:
+        assert proposer.lookup_rounds > 0 and proposer.model_rounds > 0
+    checked = 0
+    with torch.no_grad():
+        for contexts, logits in recorder.records:
+            for b, context in enumerate(contexts):
+                if len(context) < 2:  # a one-token prompt's first round: no pair, no draft
+                    continue
+                ids = torch.tensor([context])
+                features = target(ids[:, :-1], output_hidden_states=True).hidden_states[-1]
+                fresh = drafter(ids[:, 1:], features).logits[0, -1]
+                torch.testing.assert_close(logits[b], fresh, atol=2e-4, rtol=1e-4)
+                checked += 1
+    assert checked > 2 * len(PROMPTS)
+
+
+def test_one_token_prompt_drafts_nothing_in_its_first_round(loaded_target, drafter):
+    proposer = EagleProposer(drafter)
+    decoder = SpeculativeDecoder(loaded_target.model, proposer)
+    solo = decoder.generate([[1]], max_new_tokens=MAX_NEW, draft_len=3)
+    assert solo.stats.emitted_hist[1] >= 1  # the first round emitted one token: nothing was drafted
+    assert solo.stats.acceptance_length > 1.5
+    plain = SpeculativeDecoder(loaded_target.model, None).generate([[1]], max_new_tokens=MAX_NEW)
+    assert solo.tokens == plain.tokens
+
+
+def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path):
+    info = DrafterInfo.for_target("eagle", loaded_target, recipe={"name": "t"})
+    out = save_eagle(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
+    assert read_drafter_info(out).kind == "eagle"
+    assert {p.name for p in out.iterdir()} >= {"config.json", "eagle.safetensors"}
+    # The target's embeddings and lm_head are shared, never stored.
+    stored = set(load_file(str(out / "eagle.safetensors")))
+    assert stored == set(drafter.state_dict()) and not any("embed" in k or "lm_head" in k for k in stored)
+    proposer, loaded_info = load_drafter(out, loaded_target)
+    assert isinstance(proposer, EagleProposer) and loaded_info.kind == "eagle"
+    for name, tensor in drafter.state_dict().items():
+        torch.testing.assert_close(proposer.model.state_dict()[name], tensor)
+    expected = SpeculativeDecoder(loaded_target.model, None).generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
+    for spec in [str(out), f"ngram+{out}"]:
+        result = SpeculativeDecoder(loaded_target.model, build_proposer(spec, loaded_target)).generate(
+            PROMPTS, max_new_tokens=MAX_NEW, draft_len=4)
+        assert result.tokens == expected and result.stats.acceptance_length > 1.5, spec
+
+
+def test_corrupt_or_mismatched_eagle_checkpoints_give_one_line_errors(loaded_target, drafter, tmp_path):
+    info = DrafterInfo.for_target("eagle", loaded_target)
+    out = save_eagle(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
+    config = json.loads((out / "config.json").read_text())
+    config["eagle"]["hidden_size"] = 32
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="eagle drafter in .* is 32x"):
+        load_drafter(out, loaded_target)
+    del config["eagle"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="corrupt eagle config"):
+        load_drafter(out, loaded_target)
+    out2 = save_eagle(tmp_path / "eagle2", drafter, loaded_target.tokenizer, info)
+    weights = out2 / "eagle.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="cannot load eagle weights"):
+        load_drafter(out2, loaded_target)
+
+
+def test_untrained_drafter_outputs_live_on_the_targets_scale(loaded_target):
+    target = loaded_target.model
+    drafter = EagleDrafter(target.config, 2).attach_target(target, init_norm=True)
+    torch.testing.assert_close(drafter.decoder.norm.weight, target.get_decoder().norm.weight)
+    assert len(drafter.decoder.layers) == 2 and drafter.decoder.embed_tokens is None
+    out = drafter(torch.tensor([[5, 6, 7]]), torch.randn(1, 3, target.config.hidden_size), logits_to_keep=1)
+    assert out.logits.shape == (1, 1, target.config.vocab_size) and out.features.shape == (1, 1, target.config.hidden_size)
