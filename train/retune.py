@@ -127,7 +127,7 @@ def retune_recipe(recorded: dict, options: RetuneOptions):
                         checkpoint_every=options.eval_every)
     if options.lora:
         if raw["drafter"].get("kind") != "draft-lm":
-            raise InvalidInputError("--lora applies to draft-LM drafters; Medusa heads are re-tuned in full")
+            raise InvalidInputError("--lora applies to draft-LM drafters; Medusa heads and EAGLE drafters are re-tuned in full")
         raw["lora"]["enabled"] = True
     return validate_recipe(raw, f"the recipe recorded in {options.drafter}")
 
