@@ -5,9 +5,9 @@
                `AutoModelForCausalLM` and works as `assistant_model` in Hugging Face `generate`.
     medusa     config.json {"draftsmith": record, "medusa": head config}, heads.safetensors (the heads
                only; a shared lm_head is the target's and is not stored), tokenizer files.
-    eagle      config.json {"draftsmith": record, "eagle": {num_layers, hidden_size, vocab_size}},
-               eagle.safetensors (projection, decoder layers, final norm; the embeddings and lm_head
-               are the target's), tokenizer files. The layers take the target's architecture.
+    eagle      config.json {"draftsmith": record, "eagle": {num_layers, hidden_size, vocab_size,
+               draft_vocab_size}}, eagle.safetensors (projection, decoder layers, final norm, the draft
+               vocabulary's token ids if any; the embeddings and lm_head are the target's), tokenizer files. The layers take the target's architecture.
 
 The "draftsmith" record (`DrafterInfo`): format version, drafter kind, the target's name and weight
 identity hash, the tokenizer hash, the recipe, a training summary, and for a re-tuned drafter its
@@ -211,13 +211,14 @@ def load_eagle(path: Path, target: LoadedModel, *, device=None, dtype=None) -> E
         spec = record["eagle"]
         num_layers = int(spec["num_layers"])
         sizes = (int(spec["hidden_size"]), int(spec["vocab_size"]))
+        draft_vocab_size = int(spec["draft_vocab_size"]) if spec.get("draft_vocab_size") else None
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"corrupt eagle config in {path}/config.json: {exc!r}") from None
     lm_head = target.model.get_output_embeddings()
     if sizes != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
         raise ModelLoadError(f"eagle drafter in {path} is {sizes[0]}x{sizes[1]}, the target is "
                              f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
-    drafter = EagleDrafter(target.model.config, num_layers)
+    drafter = EagleDrafter(target.model.config, num_layers, draft_vocab_size)
     try:
         drafter.load_state_dict(load_file(str(Path(path) / EAGLE_WEIGHTS)), strict=True)
     except (OSError, SafetensorError, RuntimeError) as exc:

@@ -15,6 +15,11 @@ only the first draft step of a round reads nothing but true features.
 Unlike Medusa heads (which guess token t+1+k from f_t alone), the drafter knows every token it builds
 on; unlike a small draft LM, it reads the target's features instead of re-deriving them from tokens.
 The embeddings and lm_head are the target's, shared and frozen, stored nowhere in the checkpoint.
+
+Draft vocabulary (optional, as in EAGLE-3 and FR-Spec): the product with the 49k-row lm_head is most
+of a draft step's cost, so the drafter can draft only among the K tokens most frequent in its training
+answers. Its logits are -inf elsewhere: q is exactly the distribution it drafts from, zero outside
+the K tokens, and verification stays exact (a token it cannot propose is simply never drafted).
 """
 
 from __future__ import annotations
@@ -40,10 +45,15 @@ class EagleDrafter(nn.Module):
     """fc over [feature ; token embedding], `num_layers` decoder layers of the target's architecture and
     a final norm; the target's embeddings and lm_head are attached with `attach_target`."""
 
-    def __init__(self, target_config, num_layers: int = 1):
+    def __init__(self, target_config, num_layers: int = 1, draft_vocab_size: int | None = None):
         super().__init__()
         self.config = draft_lm_config(target_config, num_layers)
         self.num_layers = num_layers
+        # Token ids the drafter may propose (None: all); filled by training or from a checkpoint.
+        self.draft_vocab: torch.Tensor | None
+        self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.int64)
+                             if draft_vocab_size else None)
+        self._draft_head: tuple | None = None  # (key, weight rows of the draft vocabulary)
         hidden = self.config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.decoder = AutoModel.from_config(self.config)
@@ -59,9 +69,27 @@ class EagleDrafter(nn.Module):
                 self.decoder.norm.weight.copy_(target.get_decoder().norm.weight)
         return self
 
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        self.draft_vocab = None if token_ids is None else token_ids.to(torch.int64).sort().values
+        self._draft_head = None
+
     def spec(self) -> dict:
         return {"num_layers": self.num_layers, "hidden_size": self.config.hidden_size,
-                "vocab_size": self.config.vocab_size}
+                "vocab_size": self.config.vocab_size,
+                "draft_vocab_size": None if self.draft_vocab is None else len(self.draft_vocab)}
+
+    def draft_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary; with a draft vocabulary, only its rows of the lm_head are
+        multiplied and every other token gets -inf."""
+        if self.draft_vocab is None:
+            return self.lm_head(predicted)
+        weight = self.lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, self.draft_vocab.data_ptr())
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight[self.draft_vocab].contiguous())
+        small = nn.functional.linear(predicted, self._draft_head[1])
+        logits = small.new_full((*small.shape[:-1], weight.shape[0]), float("-inf"))
+        return logits.scatter_(-1, self.draft_vocab.expand(*small.shape[:-1], -1), small)
 
     @property
     def lm_head(self) -> nn.Module:
@@ -85,7 +113,7 @@ class EagleDrafter(nn.Module):
         predicted = self.predict_features(input_ids, features, attention_mask, position_ids, cache, use_cache)
         if logits_to_keep:
             predicted = predicted[:, -logits_to_keep:]
-        return EagleOutput(logits=self.lm_head(predicted), features=predicted)
+        return EagleOutput(logits=self.draft_logits(predicted), features=predicted)
 
 
 class EagleProposer(DraftModelProposer):

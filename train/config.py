@@ -48,6 +48,9 @@ class DrafterConfig(Section):
     """medusa: residual SiLU blocks per head."""
     own_lm_head: bool = False
     """medusa: give each head a trainable copy of the lm_head instead of sharing the frozen one."""
+    draft_vocab: int | None = Field(None, ge=1)
+    """eagle: draft only among this many tokens, the most frequent in the training answers (a draft step
+    then multiplies only their rows of the lm_head); None drafts from the whole vocabulary."""
 
 
 class DataConfig(Section):

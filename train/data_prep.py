@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 
 import draftsmith.data
 from draftsmith.data.prompts import ColumnMap, load_conversations
@@ -122,3 +123,13 @@ def strip_answers(messages: list[dict]) -> list[dict]:
     while end > 0 and messages[end - 1]["role"] == "assistant":
         end -= 1
     return messages[:end]
+
+
+def frequent_answer_tokens(dataset: datasets.Dataset, count: int) -> torch.Tensor:
+    """The `count` token ids most frequent among the answer tokens (ties: lower id first)."""
+    answers = [torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)] for row in dataset]
+    if not answers or sum(len(a) for a in answers) == 0:
+        raise InvalidInputError("no answer tokens to choose a draft vocabulary from")
+    counts = torch.bincount(torch.cat(answers).to(torch.int64))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: min(count, int((counts > 0).sum()))]

@@ -49,7 +49,7 @@ from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
 from draftsmith.train.al_eval import acceptance_length
 from draftsmith.train.config import Recipe
-from draftsmith.train.data_prep import TrainingData, prepare_data
+from draftsmith.train.data_prep import TrainingData, frequent_answer_tokens, prepare_data
 from draftsmith.train.losses import distill_loss, top1_agreement
 from draftsmith.train.modules import (
     DraftLMForTraining, EagleForTraining, MedusaForTraining, build_drafter, final_drafter, freeze, inference_model,
@@ -95,6 +95,8 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
         data = prepare_data(recipe, target, is_main=is_main, progress=progress)
 
     drafter = build_drafter(recipe, target)
+    if isinstance(drafter, EagleDrafter) and recipe.drafter.draft_vocab:
+        drafter.set_draft_vocab(frequent_answer_tokens(data.train, recipe.drafter.draft_vocab).to(accelerator.device))
     module = training_module(drafter)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if not trainable:

@@ -1,6 +1,7 @@
 """The EAGLE-style drafter: its cache holds exactly the target's features paired with the next tokens,
 and its checkpoints round-trip."""
 
+import copy
 import json
 
 import pytest
@@ -91,7 +92,28 @@ def test_one_token_prompt_drafts_nothing_in_its_first_round(loaded_target, draft
     assert solo.tokens == plain.tokens
 
 
-def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path):
+def with_draft_vocab(drafter, size):
+    """A copy of `drafter` that drafts only among `size` random tokens."""
+    other = copy.deepcopy(drafter)
+    other._target = drafter._target  # still the target's embeddings and lm_head, not copies
+    other.set_draft_vocab(torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(0))[:size])
+    return other
+
+
+def test_draft_vocabulary_logits_are_the_full_ones_there_and_minus_inf_elsewhere(drafter):
+    small = with_draft_vocab(drafter, 40)
+    ids, features = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, drafter.config.hidden_size)
+    full, restricted = drafter(ids, features).logits, small(ids, features).logits
+    inside = torch.zeros(drafter.config.vocab_size, dtype=torch.bool)
+    inside[small.draft_vocab] = True
+    torch.testing.assert_close(restricted[..., inside], full[..., inside])
+    assert bool(torch.isneginf(restricted[..., ~inside]).all())
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path, draft_vocab):
+    if draft_vocab:
+        drafter = with_draft_vocab(drafter, draft_vocab)
     info = DrafterInfo.for_target("eagle", loaded_target, recipe={"name": "t"})
     out = save_eagle(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
     assert read_drafter_info(out).kind == "eagle"
@@ -107,7 +129,10 @@ def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path):
     for spec in [str(out), f"ngram+{out}"]:
         result = SpeculativeDecoder(loaded_target.model, build_proposer(spec, loaded_target)).generate(
             PROMPTS, max_new_tokens=MAX_NEW, draft_len=4)
-        assert result.tokens == expected and result.stats.acceptance_length > 1.5, spec
+        assert result.tokens == expected and result.stats.acceptance_length > (1.1 if draft_vocab else 1.5), spec
+    if draft_vocab:
+        assert json.loads((out / "config.json").read_text())["eagle"]["draft_vocab_size"] == draft_vocab
+        torch.testing.assert_close(proposer.model.draft_vocab, drafter.draft_vocab)
 
 
 def test_corrupt_or_mismatched_eagle_checkpoints_give_one_line_errors(loaded_target, drafter, tmp_path):

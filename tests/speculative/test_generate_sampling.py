@@ -83,10 +83,12 @@ def masked_drafter(seed):
     return model
 
 
-def eagle_drafter(target):
+def eagle_drafter(target, draft_vocab=None):
     """An untrained EAGLE drafter on `target`: its q is the target's lm_head on a random-ish feature."""
     torch.manual_seed(13)
-    return EagleDrafter(target.config, 1).attach_target(target, init_norm=True).eval()
+    drafter = EagleDrafter(target.config, 1).attach_target(target, init_norm=True).eval()
+    drafter.set_draft_vocab(draft_vocab)
+    return drafter
 
 
 PARAMS = SamplingParams(temperature=1.0)
@@ -96,7 +98,8 @@ FILTERED = SamplingParams(temperature=0.7, top_k=12, top_p=0.9)
 @pytest.mark.parametrize(
     "name",
     ["random-drafter", "same-as-target", "q-zero-where-p-positive", "early-exit", "ngram", "plain", "filtered",
-     "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered", "eagle", "eagle-filtered"],
+     "dynamic-length", "dynamic-length-filtered", "lookup-first", "lookup-first-filtered", "eagle", "eagle-filtered",
+     "eagle-draft-vocab"],
 )
 def test_emitted_distribution_matches_target(name, small_target, small_drafter):
     params = FILTERED if name.endswith("filtered") else PARAMS
@@ -117,6 +120,8 @@ def test_emitted_distribution_matches_target(name, small_target, small_drafter):
         # Drafts sampled from the EAGLE drafter's q, its features its own guesses after the first step.
         "eagle": lambda: EagleProposer(eagle_drafter(small_target)),
         "eagle-filtered": lambda: EagleProposer(eagle_drafter(small_target)),
+        # Drafting among the even tokens only: q = 0 where p > 0, the residual covers the rest.
+        "eagle-draft-vocab": lambda: EagleProposer(eagle_drafter(small_target, torch.arange(0, VOCAB, 2))),
     }[name]()
     if name.startswith("dynamic-length"):
         tokens, decode_stats = sample_runtime(small_target, proposer, params, draft_confidence=0.1)

@@ -51,3 +51,16 @@ def test_gradients_flow_and_empty_batches_are_zero():
 def test_top1_agreement():
     s = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
     assert top1_agreement(s, torch.tensor([1, 1])).item() == 0.5
+
+
+def test_frequent_answer_tokens_count_only_answers():
+    import datasets
+
+    from draftsmith.train.data_prep import frequent_answer_tokens
+
+    rows = datasets.Dataset.from_list([
+        {"input_ids": [9, 9, 9, 4, 4, 7], "loss_mask": [0, 0, 0, 1, 1, 1]},  # 9 is prompt only: never counted
+        {"input_ids": [9, 5, 4, 5, 5], "loss_mask": [0, 1, 1, 1, 1]},
+    ])
+    assert frequent_answer_tokens(rows, 2).tolist() == [4, 5]  # 4 and 5 three times each, then 7
+    assert frequent_answer_tokens(rows, 10).tolist() == [4, 5, 7]  # no token that never occurs
