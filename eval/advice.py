@@ -6,7 +6,7 @@ a typical mid-decode cache):
 
     t_plain       one target forward over 1 new token per row (a plain decoding step)
     t_verify(D)   one target forward over D + 1 new tokens per row (a verification pass)
-    t_draft       one drafter step over 1 new token per row (model drafters); for drafters without a
+    t_draft       one drafter step over 1 new token per row (model drafters, EAGLE ones included); for drafters without a
                   model of their own (n-gram, Medusa heads) the sweep's measured draft time per round / D
     overhead      per round, outside the model passes (verification, bookkeeping), from the sweep's passes
 
@@ -45,8 +45,10 @@ def measure_costs(target: torch.nn.Module, proposer, prompts: list[list[int]], b
         "draft_step_source": "sweep",
     }
     if isinstance(proposer, DraftModelProposer):
-        draft_kv = _prefilled(proposer.model, contexts)
-        costs["draft_step_s"] = _time_step(draft_kv, 1, reps, logits_to_keep=1)
+        # An EAGLE drafter also reads a feature per slot: zeros cost what real features cost.
+        features = proposer.model.config.hidden_size if proposer.needs_target_states else None
+        draft_kv = _prefilled(proposer.model, contexts, features)
+        costs["draft_step_s"] = _time_step(draft_kv, 1, reps, logits_to_keep=1, features=features)
         costs["draft_step_source"] = "timed"
     return costs
 
@@ -100,24 +102,33 @@ def _padded(prompt: list[int], extra: int) -> list[int]:
     return prompt + [prompt[i % len(prompt)] for i in range(extra)]
 
 
-def _prefilled(model: torch.nn.Module, contexts: list[list[int]]) -> KVState:
+def _prefilled(model: torch.nn.Module, contexts: list[list[int]], features: int | None = None) -> KVState:
     device = next(model.parameters()).device
     kv = KVState(model, len(contexts), device)
     tokens, valid = left_pad(contexts, device)
-    kv.forward(tokens, valid, logits_to_keep=1)
+    kv.forward(tokens, valid, logits_to_keep=1, **_feature_inputs(kv, tokens, features))
     return kv
 
 
-def _time_step(kv: KVState, width: int, reps: int, logits_to_keep: int = 0) -> float:
+def _feature_inputs(kv: KVState, tokens: torch.Tensor, features: int | None) -> dict:
+    """Zero features of width `features` per slot for a drafter that reads them (EAGLE), else nothing."""
+    if features is None:
+        return {}
+    dtype = next(kv.model.parameters()).dtype
+    return {"features": torch.zeros(*tokens.shape, features, dtype=dtype, device=kv.device)}
+
+
+def _time_step(kv: KVState, width: int, reps: int, logits_to_keep: int = 0, features: int | None = None) -> float:
     """Median seconds of one forward over `width` new tokens per row; each is rolled back after timing."""
     tokens = torch.ones(kv.batch_size, width, dtype=torch.int64, device=kv.device)
     valid = torch.ones_like(tokens, dtype=torch.bool)
     drop = torch.zeros_like(valid)
+    inputs = _feature_inputs(kv, tokens, features)
     times = []
     for rep in range(reps + 1):
         _sync(kv.device)
         start = time.perf_counter()
-        kv.forward(tokens, valid, logits_to_keep=logits_to_keep)
+        kv.forward(tokens, valid, logits_to_keep=logits_to_keep, **inputs)
         _sync(kv.device)
         if rep:  # the first is the warm-up
             times.append(time.perf_counter() - start)
