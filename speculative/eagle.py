@@ -177,9 +177,6 @@ class EagleProposer(DraftModelProposer):
         self._features = out.features  # [B, 1, H]: the guess the next step builds on
         return out.logits
 
-    def skip_round(self) -> None:
-        self._fed_drafts = -1
-
     def commit(self, num_accepted, emitted):
         if self._fed_drafts >= 0:  # drop the draft slots and placeholders; the true pairs stay
             first = self._first_valid
@@ -189,7 +186,7 @@ class EagleProposer(DraftModelProposer):
             self.pending_features = [f[:0] for f in self.pending_features]
         self.pending = [p + e for p, e in zip(self.pending, emitted)]
         self.pending_features = [torch.cat([f, s]) for f, s in zip(self.pending_features, self._states)]
-        self._fed_drafts = -1
+        self._fed_drafts = -1  # until the next propose: a round the runtime drafts nothing in feeds nothing
 
     def select_rows(self, rows):
         self.kv.select_rows(rows)
