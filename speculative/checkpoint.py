@@ -7,7 +7,8 @@
                only; a shared lm_head is the target's and is not stored), tokenizer files.
     eagle      config.json {"draftsmith": record, "eagle": {num_layers, hidden_size, vocab_size,
                draft_vocab_size}}, eagle.safetensors (projection, decoder layers, final norm, the draft
-               vocabulary's token ids if any; the embeddings and lm_head are the target's), tokenizer files. The layers take the target's architecture.
+               vocabulary's token ids if any; the embeddings and lm_head are the target's), tokenizer
+               files. The layers take the target's architecture.
 
 The "draftsmith" record (`DrafterInfo`): format version, drafter kind, the target's name and weight
 identity hash, the tokenizer hash, the recipe, a training summary, and for a re-tuned drafter its
@@ -195,14 +196,9 @@ def load_medusa_heads(path: Path, target: LoadedModel, *, device=None, dtype=Non
     if (heads.hidden_size, heads.vocab_size) != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
         raise ModelLoadError(f"medusa heads in {path} are {heads.hidden_size}x{heads.vocab_size}, the target is "
                              f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
-    try:
-        state = load_file(str(path / MEDUSA_WEIGHTS))
-        heads.load_state_dict(state, strict=True)
-    except (OSError, SafetensorError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load medusa weights from {path}: {str(exc).splitlines()[0]}") from None
+    _load_weights(heads, Path(path) / MEDUSA_WEIGHTS, "medusa")
     heads.attach_lm_head(lm_head)
     return heads.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
-
 
 
 def load_eagle(path: Path, target: LoadedModel, *, device=None, dtype=None) -> EagleDrafter:
@@ -219,9 +215,14 @@ def load_eagle(path: Path, target: LoadedModel, *, device=None, dtype=None) -> E
         raise ModelLoadError(f"eagle drafter in {path} is {sizes[0]}x{sizes[1]}, the target is "
                              f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
     drafter = EagleDrafter(target.model.config, num_layers, draft_vocab_size)
-    try:
-        drafter.load_state_dict(load_file(str(Path(path) / EAGLE_WEIGHTS)), strict=True)
-    except (OSError, SafetensorError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load eagle weights from {path}: {str(exc).splitlines()[0]}") from None
+    _load_weights(drafter, Path(path) / EAGLE_WEIGHTS, "eagle")
     drafter.attach_target(target.model)
     return drafter.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
+
+
+def _load_weights(module, weights: Path, kind: str) -> None:
+    """All of `module`'s weights from one safetensors file, or a one-line ModelLoadError."""
+    try:
+        module.load_state_dict(load_file(str(weights)), strict=True)
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load {kind} weights from {weights.parent}: {str(exc).splitlines()[0]}") from None

@@ -24,6 +24,7 @@ the K tokens, and verification stays exact (a token it cannot propose is simply 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -156,9 +157,7 @@ class EagleProposer(DraftModelProposer):
     def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
         # A row with no true pair yet has nothing to draft from.
         max_lens = [m if p else 0 for m, p in zip(ctx.max_lens, self.pending)]
-        if max_lens != ctx.max_lens:
-            ctx = RoundContext(ctx.history, max_lens, ctx.sampling, ctx.rng, ctx.target_hidden, ctx.min_confidence)
-        return super().propose(ctx, draft_len)
+        return super().propose(dataclasses.replace(ctx, max_lens=max_lens), draft_len)
 
     def _draft_inputs(self):
         tokens, self._first_valid = left_pad(self.pending, self.device)  # some row has pairs (see propose)
