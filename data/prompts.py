@@ -8,7 +8,9 @@ Every loader returns rows with these columns:
     reference   str    a reference answer for quality metrics ("" when none)
 
 Sources: `.jsonl`, `.json`, `.parquet`, `.csv` files (optionally gzip-compressed: `.jsonl.gz`), or a
-directory written by `Dataset.save_to_disk`. How a record becomes messages is decided by a
+directory written by `Dataset.save_to_disk`. Rows that carry `input_ids` and `loss_mask` (a regenerated
+dataset: the exact tokens the target produced) keep those two columns too, so training can use them
+as they are instead of re-rendering the text. How a record becomes messages is decided by a
 `ColumnMap`; with none given it is inferred from the columns present:
 
     messages / conversations   a list of {"role", "content"} (or ShareGPT {"from", "value"}) dicts
@@ -91,12 +93,16 @@ def load_conversations(
     if limit is not None:
         table = table.select(range(min(limit, len(table))))
 
+    tokens = [c for c in ("input_ids", "loss_mask") if c in table.column_names]
+    tokens = tokens if len(tokens) == 2 else []
+
     def to_row(record: dict, index: int) -> dict:
         return {
             "id": str(record[columns.id]) if columns.id else str(index),
             "messages": _messages(record, columns, all_turns, path, index),
             "category": str(record[columns.category] or "") if columns.category else "",
             "reference": _reference(record, columns),
+            **{c: list(record[c]) for c in tokens},
         }
 
     mapped = table.map(to_row, with_indices=True, remove_columns=table.column_names, desc="reading prompts")

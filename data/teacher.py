@@ -25,6 +25,7 @@ A top-k cache keeps a truncated distribution; `sparse_teacher_probs` renormalize
 
 from __future__ import annotations
 
+import bisect
 import math
 import sys
 from hashlib import sha256
@@ -244,6 +245,30 @@ class TeacherCache:
 
 
 # --- computing one shard -----------------------------------------------------------------------
+
+
+class ConcatTeacher:
+    """Finished caches read as one, in order: item i of the concatenation of the datasets they cache."""
+
+    def __init__(self, caches: list[TeacherCache]):
+        settings = {(c.top_k, c.has_hidden, c.hidden_size, c.vocab_size) for c in caches}
+        if len(settings) != 1:
+            raise InvalidInputError(f"teacher caches with different settings cannot be read as one: {settings}")
+        self.caches = caches
+        self.top_k, self.has_hidden, self.hidden_size, self.vocab_size = settings.pop()
+        self._starts = np.cumsum([0] + [len(c) for c in caches]).tolist()
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(f"teacher cache index {i} out of range for {len(self)} examples")
+        part = bisect.bisect_right(self._starts, i) - 1
+        return self.caches[part][i - self._starts[part]]
 
 
 def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, batch_size: int, dtype: torch.dtype,

@@ -84,13 +84,21 @@ class EagleDrafter(nn.Module):
         multiplied and every other token gets -inf."""
         if self.draft_vocab is None:
             return self.lm_head(predicted)
+        small = self.draft_vocab_logits(predicted)
+        logits = small.new_full((*small.shape[:-1], self.lm_head.weight.shape[0]), float("-inf"))
+        return logits.scatter_(-1, self.draft_vocab.expand(*small.shape[:-1], -1), small)
+
+    def draft_vocab_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """[..., K] logits of the draft vocabulary's tokens only (in `draft_vocab` order), from the
+        lm_head's rows for them (when serving, a copy kept until the lm_head changes; in training, where
+        an inference-mode copy cannot enter autograd, gathered per call)."""
         weight = self.lm_head.weight
+        if torch.is_grad_enabled():
+            return nn.functional.linear(predicted, weight[self.draft_vocab])
         key = (weight.data_ptr(), weight._version, weight.dtype, self.draft_vocab.data_ptr())
         if self._draft_head is None or self._draft_head[0] != key:
-            self._draft_head = (key, weight[self.draft_vocab].contiguous())
-        small = nn.functional.linear(predicted, self._draft_head[1])
-        logits = small.new_full((*small.shape[:-1], weight.shape[0]), float("-inf"))
-        return logits.scatter_(-1, self.draft_vocab.expand(*small.shape[:-1], -1), small)
+            self._draft_head = (key, weight.detach()[self.draft_vocab].contiguous())
+        return nn.functional.linear(predicted, self._draft_head[1])
 
     @property
     def lm_head(self) -> nn.Module:
@@ -106,6 +114,40 @@ class EagleDrafter(nn.Module):
         out = self.decoder(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids,
                            cache=cache, use_cache=use_cache)
         return out.last_hidden_state
+
+    def predict_unrolled(self, input_ids, features, attention_mask, steps: int) -> list[torch.Tensor]:
+        """Training-time test (HASS, EAGLE-3): what draft steps 1..`steps` of a round would predict at
+        every slot at once, teacher-forced on the tokens. Returns `steps` tensors [B, T, H].
+
+        Step 1 is `predict_features`. At step k the slot s pairs step k-1's guess at slot s-1 (its guess
+        of f_s) with token x_{s+1} and attends, as drafting does, to the true slots 0..s-k+1 and to the
+        chain of guessed slots after them (step m's slot s-k+m, m = 2..k): the round that started
+        after true slot s-k+1 and whose drafts so far were the data's tokens. All steps run as one
+        sequence of k*T slots under that mask (the earlier steps recomputed), so the gradient flows
+        through the guesses. Slots s < k-1 of step k have no such round; their outputs mean nothing.
+        """
+        batch, length = input_ids.shape
+        valid = (attention_mask if attention_mask is not None
+                 else torch.ones_like(input_ids)).bool()
+        s = torch.arange(length, device=input_ids.device)
+        outputs = [self.predict_features(input_ids, features, attention_mask)]
+        for k in range(2, steps + 1):
+            guesses = [torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1) for o in outputs]
+            step_features = torch.cat([features] + [g.to(features.dtype) for g in guesses], dim=1)
+            allowed = torch.zeros(k * length, k * length, dtype=torch.bool, device=input_ids.device)
+            for m in range(1, k + 1):  # queries of step m
+                rows = slice((m - 1) * length, m * length)
+                allowed[rows, :length] = s[None, :] <= s[:, None] - m + 1
+                for n in range(2, m + 1):  # step n's guessed slot s - m + n
+                    allowed[rows, (n - 1) * length:n * length] = s[None, :] == s[:, None] - m + n
+            allowed = allowed[None] & valid.repeat(1, k)[:, None, :]  # [B, kT, kT], padding masked
+            dtype = next(self.parameters()).dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+            predicted = self.predict_features(input_ids.repeat(1, k), step_features, mask,
+                                              position_ids=s.repeat(k)[None].expand(batch, -1))
+            outputs.append(predicted[:, -length:])
+        return outputs
 
     def forward(self, input_ids, features, attention_mask=None, position_ids=None, cache=None,
                 use_cache: bool = False, logits_to_keep: int = 0, **_) -> EagleOutput:

@@ -68,6 +68,11 @@ class DataConfig(Section):
     """Length of regenerated answers."""
     temperature: float = Field(0.0, ge=0.0)
     """Regeneration temperature (0 = greedy)."""
+    extra_samples: int = Field(0, ge=0)
+    """More answers per training prompt, sampled at `sample_temperature` (each pass its own seed), beside
+    the main one: more and more varied target text from the same prompts. Needs `regenerate`."""
+    sample_temperature: float = Field(0.7, gt=0.0)
+    """Temperature of the extra sampled answers."""
     regen_batch_size: int = Field(8, ge=1)
     """Prompts per regeneration batch."""
     max_length: int = Field(512, ge=8)
@@ -93,10 +98,18 @@ class LossConfig(Section):
     head_weights: list[float] | None = None
     """medusa: per-head loss weights; default head_decay**k."""
     head_decay: float = Field(0.8, gt=0.0, le=1.0)
-    """medusa: weight of head k is head_decay**k unless head_weights is given."""
+    """medusa: weight of head k is head_decay**k unless head_weights is given; eagle: weight of draft
+    step k+1 (see draft_steps)."""
     feature_weight: float = Field(1.0, ge=0.0)
     """eagle: weight of the smooth-L1 regression of the predicted feature on the target's, added to the
     token loss (EAGLE trains both)."""
+    draft_steps: int = Field(1, ge=1, le=8)
+    """eagle: draft steps trained (training-time test, as HASS and EAGLE-3): step k reads the drafter's
+    own guesses of the k-1 features before it, as drafting does, so later draft positions are trained
+    on what they will see. Step k costs about k passes of the drafter's layers."""
+    feature_noise: float = Field(0.0, ge=0.0)
+    """eagle: uniform noise U(-a, a) added to the target features the drafter reads in training (EAGLE-1
+    uses 0.1), so that slightly-off features, as its own guesses are, do not throw it."""
 
 
 class OnPolicyConfig(Section):

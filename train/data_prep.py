@@ -20,7 +20,7 @@ import draftsmith.data
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import regenerate
 from draftsmith.data.render import render_prompt, tokenize_dataset
-from draftsmith.data.teacher import TeacherCache, cache_teacher_signals
+from draftsmith.data.teacher import ConcatTeacher, TeacherCache, cache_teacher_signals
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
 from draftsmith.train.config import Recipe
@@ -32,7 +32,7 @@ BUILTIN_PROMPTS = Path(draftsmith.data.__file__).resolve().parent / "prompts"
 class TrainingData:
     train: datasets.Dataset  # input_ids, loss_mask (1 on the answer tokens), truncated to max_length
     heldout_prompts: list[list[int]]  # rendered prompts for the acceptance-length evaluation
-    teacher: TeacherCache | None  # offline teacher signals, aligned with `train` rows
+    teacher: TeacherCache | ConcatTeacher | None  # offline teacher signals, aligned with `train` rows
     source: dict  # what the data was built from (recorded in the drafter)
 
 
@@ -56,6 +56,9 @@ def load_records(recipe: Recipe) -> datasets.Dataset:
              for spec in cfg.prompts]
     if not parts:
         raise InvalidInputError("data.prompts lists no files")
+    if len({"input_ids" in part.column_names for part in parts}) > 1:
+        raise InvalidInputError("data.prompts mixes regenerated datasets (with input_ids) and prompt files; "
+                                "list only one kind")
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     return records.shuffle(seed=recipe.train.seed)
 
@@ -91,20 +94,33 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     key = cache_key(target=target.weight_hash(), files=files, limit=cfg.limit, column=cfg.prompt_column,
                     heldout=cfg.heldout, seed=recipe.train.seed, regenerate=cfg.regenerate,
                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+    if cfg.extra_samples and not cfg.regenerate:
+        raise InvalidInputError("data.extra_samples needs data.regenerate: true (they are the target's answers)")
     if cfg.regenerate:
-        regenerated = regenerate(target, train_records, cache_root / f"regen-{key}", max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, seed=recipe.train.seed,
-                                 batch_size=cfg.regen_batch_size, progress=progress and is_main)
-        train = truncate(regenerated, cfg.max_length)
+        # The main answers, then each extra sampled pass: every part has its own cache (keyed as if it
+        # were the only one, so the main part is shared with recipes that take no extra samples).
+        passes = [(key, cfg.temperature, recipe.train.seed)]
+        passes += [(cache_key(main=key, extra_sample=i, temperature=cfg.sample_temperature), cfg.sample_temperature,
+                    recipe.train.seed + 1 + i) for i in range(cfg.extra_samples)]
+        parts = []
+        for part_key, temperature, seed in passes:
+            regenerated = regenerate(target, train_records, cache_root / f"regen-{part_key}",
+                                     max_new_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed,
+                                     batch_size=cfg.regen_batch_size, progress=progress and is_main)
+            parts.append((part_key, truncate(regenerated, cfg.max_length)))
+        source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
     else:
-        train = tokenize_dataset(train_records, target.tokenizer, cfg.max_length)
+        parts = [(key, tokenize_dataset(train_records, target.tokenizer, cfg.max_length))]
+    train = datasets.concatenate_datasets([part for _, part in parts]) if len(parts) > 1 else parts[0][1]
     if len(train) == 0:
         raise InvalidInputError("no training sequences with answer tokens are left (empty dataset)")
     teacher = None
     if recipe.teacher.mode == "offline":
-        teacher_dir = cache_root / f"teacher-{key}-{cfg.max_length}-k{recipe.teacher.top_k}"
-        teacher = cache_teacher_signals(target, train, teacher_dir, top_k=recipe.teacher.top_k,
+        caches = [cache_teacher_signals(target, part, cache_root / f"teacher-{part_key}-{cfg.max_length}"
+                                        f"-k{recipe.teacher.top_k}", top_k=recipe.teacher.top_k,
                                         hidden=recipe.drafter.kind in ("medusa", "eagle"), progress=progress and is_main)
+                  for part_key, part in parts]
+        teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
     return TrainingData(train=train, heldout_prompts=prompts, teacher=teacher, source=source)
 

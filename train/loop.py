@@ -209,7 +209,7 @@ def compute_loss(module, batch, target, data, recipe, accelerator):
     if isinstance(unwrapped, MedusaForTraining):
         return medusa_loss(module, batch, target, data, recipe)
     if isinstance(unwrapped, EagleForTraining):
-        return eagle_loss(module, batch, target, data, recipe)
+        return eagle_loss(module, batch, target, data, recipe, unwrapped.drafter.draft_vocab)
     return draft_lm_loss(module, batch, target, data, recipe)
 
 
@@ -248,24 +248,56 @@ def medusa_loss(module, batch, target, data, recipe):
     return total / sum(weights), tokens, agree
 
 
-def eagle_loss(module, batch, target, data, recipe):
+def eagle_loss(module, batch, target, data, recipe, vocab=None):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     hidden = target_hidden(batch, target, data)  # [B, L, H], no grad
     dtype = next(module.parameters()).dtype
     # Slot t pairs the target's feature f_t with token t + 1; its output guesses f_{t+1}, whose lm_head
-    # output predicts token t + 2 (an answer token at the positions that count).
+    # output predicts token t + 2 (an answer token at the positions that count). Draft step k > 1 at
+    # slot t guesses the same from the drafter's own earlier guesses (see predict_unrolled).
+    cfg = recipe.loss
     positions = batch["loss_mask"][:, 2:].bool().nonzero()  # [N, 2]: (row, t)
+    positions = positions[positions[:, 1] >= cfg.draft_steps - 1]  # slots every step has a round for
     rows, t = positions[:, 0], positions[:, 1]
-    student, predicted = module(ids[:, 1:], hidden[:, :-1].to(dtype), mask[:, 1:], positions)
+    features = hidden[:, :-1].to(dtype)
+    if cfg.feature_noise:
+        features = features + (torch.rand_like(features) * 2 - 1) * cfg.feature_noise
+    steps = module(ids[:, 1:], features, mask[:, 1:], positions, cfg.draft_steps)
     next_positions = torch.stack([rows, t + 1], dim=1)
     teacher_logits, teacher_probs = teacher_at(next_positions, batch, target, data, recipe, hidden=hidden)
-    token_loss = distill_loss(recipe.loss.kind, student, labels=ids[rows, t + 2], teacher_logits=teacher_logits,
-                              teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
-    feature_loss = torch.nn.functional.smooth_l1_loss(predicted.float(), hidden[rows, t + 1].float())
-    loss = token_loss + recipe.loss.feature_weight * feature_loss
+    labels = ids[rows, t + 2]
     teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
-    return loss, int(positions.shape[0]), {"agreement/pos1": float(top1_agreement(student.detach(), teacher_top)),
-                                           "loss/feature": float(feature_loss.detach())}
+    if vocab is not None:  # the student's logits are the draft vocabulary's: the teacher's and labels too
+        teacher_logits, teacher_probs = to_draft_vocab(vocab, teacher_logits, teacher_probs)
+        labels, teacher_top = vocab_slots(vocab, labels), vocab_slots(vocab, teacher_top)
+    true_features = hidden[rows, t + 1].float()
+    total, weights, metrics = 0.0, 0.0, {}
+    for k, (student, predicted) in enumerate(steps):
+        token_loss = distill_loss(cfg.kind, student, labels=labels, teacher_logits=teacher_logits,
+                                  teacher_probs=teacher_probs, temperature=cfg.temperature, beta=cfg.beta)
+        feature_loss = torch.nn.functional.smooth_l1_loss(predicted.float(), true_features)
+        weight = cfg.head_decay ** k
+        total, weights = total + weight * (token_loss + cfg.feature_weight * feature_loss), weights + weight
+        metrics[f"agreement/pos{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
+        metrics[f"loss/feature{'' if k == 0 else k + 1}"] = float(feature_loss.detach())
+    return total / weights, int(positions.shape[0]), metrics
+
+
+def vocab_slots(vocab: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids -> their index in the sorted draft vocabulary, -100 (ignored by cross-entropy, never
+    an argmax) for tokens outside it."""
+    slot = torch.searchsorted(vocab, token_ids).clamp(max=len(vocab) - 1)
+    return torch.where(vocab[slot] == token_ids, slot, -100)
+
+
+@torch.no_grad()
+def to_draft_vocab(vocab, teacher_logits, teacher_probs):
+    """The teacher restricted to the draft vocabulary's tokens: online logits are renormalised over them
+    by the loss's softmax, offline probabilities here (the mass outside cannot be drafted)."""
+    if teacher_logits is not None:
+        return teacher_logits[:, vocab], None
+    probs = teacher_probs[:, vocab]
+    return None, probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
 
 
 @torch.no_grad()

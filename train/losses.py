@@ -36,6 +36,8 @@ def distill_loss(
     if student_logits.shape[0] == 0:
         return student_logits.sum() * 0.0  # keeps the graph (and DDP) happy on an empty batch
     if kind == "ce":
+        if not bool((labels != -100).any()):  # every label ignored (outside a draft vocabulary)
+            return student_logits.sum() * 0.0
         return F.cross_entropy(student_logits.float(), labels)
     log_q = F.log_softmax(student_logits.float() / temperature, dim=-1)
     if teacher_probs is None:

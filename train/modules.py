@@ -51,12 +51,23 @@ class EagleForTraining(nn.Module):
         super().__init__()
         self.drafter = drafter
 
-    def forward(self, input_ids, features, attention_mask, positions):
-        """Pairs (features[b, t], input_ids[b, t]) -> (logits [N, V], predicted features [N, H]) at
-        positions [N, 2] (row, t)."""
-        predicted = self.drafter.predict_features(input_ids, features, attention_mask)
-        predicted = predicted[positions[:, 0], positions[:, 1]]
-        return self.drafter.lm_head(predicted), predicted
+    def forward(self, input_ids, features, attention_mask, positions, steps: int = 1):
+        """Pairs (features[b, t], input_ids[b, t]) -> per draft step k = 1..steps, (logits [N, V],
+        predicted features [N, H]) at positions [N, 2] (row, t). With a draft vocabulary the logits are
+        its K tokens' only ([N, K]): the loss is over what the drafter can propose, and the lm_head
+        product is K/V as large."""
+        if steps == 1:
+            predicted = [self.drafter.predict_features(input_ids, features, attention_mask)]
+        else:
+            predicted = self.drafter.predict_unrolled(input_ids, features, attention_mask, steps)
+        out = []
+        for step in predicted:
+            guess = step[positions[:, 0], positions[:, 1]]
+            if self.drafter.draft_vocab is not None:
+                out.append((self.drafter.draft_vocab_logits(guess), guess))
+            else:
+                out.append((self.drafter.lm_head(guess), guess))
+        return out
 
 
 def build_drafter(recipe: Recipe, target: LoadedModel) -> nn.Module:

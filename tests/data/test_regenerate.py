@@ -196,3 +196,16 @@ def test_progress_goes_to_stderr(target, conversations, tmp_path, capfd):
     assert out == "" and "regenerating" in err
     assert sorted(p.name for p in (tmp_path / "run" / "shards").iterdir()) == ["shard-00000.jsonl",
                                                                              "shard-00001.jsonl"]
+
+
+def test_regenerated_dataset_trains_on_its_exact_tokens(target, reference, tmp_path):
+    """A regenerated dataset listed as training data keeps the target's own ids (not a re-rendering of
+    the decoded text, which would close every cut-off answer with an end-of-turn token)."""
+    from draftsmith.data.render import tokenize_dataset
+
+    datasets.Dataset.from_list(reference).save_to_disk(str(tmp_path / "regen"))
+    loaded = load_conversations(tmp_path / "regen")
+    assert loaded["input_ids"] == [r["input_ids"] for r in reference]
+    tokens = tokenize_dataset(loaded, target.tokenizer, max_length=10_000)
+    assert tokens["input_ids"] == [r["input_ids"] for r in reference]
+    assert tokens["loss_mask"] == [r["loss_mask"] for r in reference]

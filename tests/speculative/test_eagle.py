@@ -161,3 +161,33 @@ def test_untrained_drafter_outputs_live_on_the_targets_scale(loaded_target):
     assert len(drafter.decoder.layers) == 2 and drafter.decoder.embed_tokens is None
     out = drafter(torch.tensor([[5, 6, 7]]), torch.randn(1, 3, target.config.hidden_size), logits_to_keep=1)
     assert out.logits.shape == (1, 1, target.config.vocab_size) and out.features.shape == (1, 1, target.config.hidden_size)
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_unrolled_training_steps_equal_drafting_from_own_guesses(loaded_target, steps):
+    """Training-time test: the unrolled step k at slot s gives what drafting gives at its k-th step of
+    the round after true slot s-k+1 (a fresh causal pass over the true pairs up to there and the chain
+    of the drafter's own guessed features after them), for a 2-layer drafter and a padded row."""
+    target = loaded_target.model
+    torch.manual_seed(0)
+    drafter = EagleDrafter(target.config, num_layers=2).attach_target(target, init_norm=True).eval()
+    ids = torch.tensor([[1, 72, 101, 108, 108, 111, 32, 119, 111, 114], [1, 65, 66, 67, 65, 66, 0, 0, 0, 0]])
+    mask = torch.tensor([[1] * 10, [1] * 6 + [0] * 4])
+    with torch.no_grad():
+        features = target(ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
+        x, f, m = ids[:, 1:], features[:, :-1], mask[:, 1:]
+        outs = drafter.predict_unrolled(x, f, m, steps)
+        assert len(outs) == steps
+        torch.testing.assert_close(outs[0], drafter.predict_features(x, f, m))
+        checked = 0
+        for b, length in enumerate(m.sum(1).tolist()):
+            for k in range(2, steps + 1):
+                for s in range(k - 1, length):
+                    base = s - k + 1  # the round's last true slot
+                    chain = [outs[n - 2][b, base + n - 2] for n in range(2, k + 1)]  # step n's input guess
+                    fresh = drafter.predict_features(x[b:b + 1, :s + 1], torch.stack([*f[b, :base + 1], *chain])[None])
+                    torch.testing.assert_close(outs[k - 1][b, s], fresh[0, -1], atol=1e-5, rtol=1e-4)
+                    checked += 1
+                # and the guesses differ from the true features, so the test can tell them apart
+                assert not torch.allclose(outs[k - 2][b, : length - 1], f[b, 1:length], atol=1e-3)
+        assert checked >= 10

@@ -64,3 +64,28 @@ def test_frequent_answer_tokens_count_only_answers():
     ])
     assert frequent_answer_tokens(rows, 2).tolist() == [4, 5]  # 4 and 5 three times each, then 7
     assert frequent_answer_tokens(rows, 10).tolist() == [4, 5, 7]  # no token that never occurs
+
+
+def test_draft_vocabulary_losses_equal_the_full_vocabulary_ones_on_its_tokens():
+    """Training over the K draft tokens only: cross-entropy equals the full one where the drafter's
+    logits are -inf outside the vocabulary (as it drafts), labels outside are ignored, and the offline
+    teacher is renormalised over the K tokens as the online teacher's softmax is."""
+    from draftsmith.train.loop import to_draft_vocab, vocab_slots
+
+    vocab = torch.tensor([1, 3, 4, 6])
+    assert vocab_slots(vocab, torch.tensor([3, 0, 6, 7, 1])).tolist() == [1, -100, 3, -100, 0]
+    s, t = logits(8), logits(9)
+    masked = torch.full_like(s, float("-inf"))
+    masked[:, vocab] = s[:, vocab]
+    labels = torch.tensor([3, 6, 1, 4, 3])
+    torch.testing.assert_close(distill_loss("ce", s[:, vocab], labels=vocab_slots(vocab, labels)),
+                               distill_loss("ce", masked, labels=labels))
+    mixed = vocab_slots(vocab, torch.tensor([3, 0, 0, 4, 2]))  # three labels no draft could match
+    torch.testing.assert_close(distill_loss("ce", s[:, vocab], labels=mixed),
+                               distill_loss("ce", masked[[0, 3]], labels=torch.tensor([3, 4])))
+    assert distill_loss("ce", s[:, vocab], labels=torch.full((5,), -100)).item() == 0.0  # all outside: no NaN
+    online, _ = to_draft_vocab(vocab, t, None)
+    _, offline = to_draft_vocab(vocab, None, t.softmax(-1))
+    for kind in ("fkl", "jsd", "tv"):
+        torch.testing.assert_close(distill_loss(kind, s[:, vocab], teacher_logits=online),
+                                   distill_loss(kind, s[:, vocab], teacher_probs=offline), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,60 @@
+"""A run's data: extra sampled answers per prompt beside the main ones, each pass cached on its own, with
+an offline teacher read as one over all parts."""
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.data.teacher import ConcatTeacher
+from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.loading import load_model
+from draftsmith.train.config import load_recipe
+from draftsmith.train.data_prep import prepare_data
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("tiny:0")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i}: {'ab' * i}"}) + "\n" for i in range(10)))
+    return path
+
+
+def recipe(prompts, cache, *extra):
+    return load_recipe("tiny-eagle", [f"data.prompts=[{prompts}]", "data.heldout=2", "data.max_new_tokens=6",
+                                      f"data.cache_dir={cache}", "teacher.mode=offline", "teacher.top_k=3",
+                                      "target=tiny:0", *extra])
+
+
+def test_extra_samples_add_sampled_answers_and_share_the_main_pass(target, prompts, tmp_path):
+    main = prepare_data(recipe(prompts, tmp_path), target, is_main=True, progress=False)
+    both = prepare_data(recipe(prompts, tmp_path, "data.extra_samples=2"), target, is_main=True, progress=False)
+    assert len(list(tmp_path.glob("regen-*"))) == 3  # the main pass once, then one per extra sample
+    assert len(both.train) == 3 * len(main.train) == 24 and both.heldout_prompts == main.heldout_prompts
+    first, second, third = (both.train.select(range(i * 8, i * 8 + 8)) for i in range(3))
+    assert first["input_ids"] == main.train["input_ids"]  # the greedy pass is the one cached before
+    prompt_parts = [[r[:p] for r, p in zip(part["input_ids"], part["prompt_len"])] for part in (first, second, third)]
+    assert prompt_parts[0] == prompt_parts[1] == prompt_parts[2]  # the same prompts, other answers
+    assert second["input_ids"] != first["input_ids"] and third["input_ids"] != second["input_ids"]
+    assert both.source["extra_samples"] == 2
+    assert isinstance(both.teacher, ConcatTeacher) and len(both.teacher) == 24
+    for i in (0, 7, 8, 15, 16, 23):  # every row's teacher signals are its own
+        item = both.teacher[i]
+        ids = torch.tensor(both.train[i]["input_ids"])
+        assert item["hidden"].shape[0] == len(ids)
+        with torch.no_grad():
+            logits = target.model(ids[None]).logits[0]
+        assert torch.equal(item["topk_ids"][:, 0], logits.argmax(-1))
+    with pytest.raises(IndexError):
+        both.teacher[24]
+
+
+def test_extra_samples_need_regeneration(target, prompts, tmp_path):
+    with pytest.raises(InvalidInputError, match="extra_samples needs data.regenerate"):
+        prepare_data(recipe(prompts, tmp_path, "data.extra_samples=1", "data.regenerate=false"), target,
+                     is_main=True, progress=False)
