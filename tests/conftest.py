@@ -18,6 +18,19 @@ from draftsmith.speculative.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def _hf_greedy(model, prompt, max_new_tokens, eos=None):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """Hugging Face `generate`'s greedy continuation of one prompt: the reference exactness is judged by."""
+    return _hf_greedy
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

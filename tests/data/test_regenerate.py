@@ -46,18 +46,11 @@ def reference(target, conversations, tmp_path_factory):
     return out.to_list()
 
 
-def hf_greedy(model, prompt, max_new_tokens, eos):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def snapshot(root):
     return {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_greedy_equals_hf_generate(target, conversations, reference):
+def test_greedy_equals_hf_generate(target, conversations, reference, hf_greedy):
     eos = stop_token_ids(target.model, target.tokenizer)
     for record, row in zip(conversations, reference):
         prompt = render_prompt(target.tokenizer, record["messages"])

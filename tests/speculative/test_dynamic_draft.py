@@ -21,13 +21,6 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def greedy_chain(model, prompt, steps):
     """The drafter's own greedy continuation and the probability it gives each token, by full forwards."""
     ids, confidence = list(prompt), []
@@ -66,7 +59,7 @@ def test_draft_stops_after_the_first_unconfident_token(target, threshold):
 @pytest.mark.parametrize("kind", ["same", "random", "early-exit"])
 @pytest.mark.parametrize("threshold", [0.3, 0.7])
 @pytest.mark.parametrize("draft_len", [2, 5, 8])
-def test_greedy_output_unchanged(kind, threshold, draft_len, target, random_drafter):
+def test_greedy_output_unchanged(kind, threshold, draft_len, target, random_drafter, hf_greedy):
     reference = [hf_greedy(target, p, 24) for p in PROMPTS]
     proposer = {"same": lambda: DraftModelProposer(target), "random": lambda: DraftModelProposer(random_drafter),
                 "early-exit": lambda: EarlyExitProposer(target, 1)}[kind]()

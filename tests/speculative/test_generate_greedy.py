@@ -16,15 +16,8 @@ PROMPTS = [
 MAX_NEW = 24
 
 
-def hf_greedy(model, prompt, max_new_tokens, eos=None):
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
-def reference(target):
+def reference(target, hf_greedy):
     return [hf_greedy(target, p, MAX_NEW) for p in PROMPTS]
 
 
@@ -76,7 +69,7 @@ def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter,
 
 
 @pytest.mark.parametrize("draft_len", [3, 8])
-def test_stop_token_inside_an_accepted_block(target, reference, draft_len):
+def test_stop_token_inside_an_accepted_block(target, reference, draft_len, hf_greedy):
     # Pick a stop token that first occurs mid-output, so it lands inside an all-accepted draft.
     ref = reference[2]
     index = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
@@ -126,7 +119,7 @@ def test_prefix_is_never_reencoded(target, random_drafter, monkeypatch):
     assert lengths and all(cache == context for cache, context in lengths)
 
 
-def test_ragged_batch_holes_are_compacted(target, random_drafter, monkeypatch):
+def test_ragged_batch_holes_are_compacted(target, random_drafter, monkeypatch, hf_greedy):
     """Ragged rows leave holes in the shared cache; compaction packs them and decoding stays exact."""
     from draftsmith.speculative import kv
 
