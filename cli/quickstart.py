@@ -3,8 +3,10 @@
 1. fetch the embedded target (SmolLM2-135M-Instruct; `--tiny`: the tiny byte-level LM);
 2. build a training set from the prompts that ship with draftsmith (`data/prompts/quickstart.jsonl`:
    chat, explanations, reasoning, code, writing) and regenerate the answers with the target;
-3. train a small drafter: Medusa heads, which give the best AL per minute of CPU training (the heads
-   read the target's hidden state, so drafting costs one lm_head product, not a model pass);
+3. train a small drafter: an EAGLE-style drafter, which gives the best AL per minute of CPU training
+   (one decoder layer reading the target's hidden states, trained from a cached teacher, two draft
+   steps unrolled; it drafts among the answers' most frequent tokens, so a draft step costs one small
+   layer and a small lm_head product, not a model pass);
 4. evaluate it beside the training-free baselines (early exit, n-gram) and write the reports and plots;
 5. end with a speculative generation demo and its measured speedup over plain decoding.
 
@@ -37,8 +39,8 @@ PLANS = {
     # The full plan is sized to finish in under 20 minutes on 2 CPU cores (README, "Results").
     "full": ("smollm2-135m-instruct",
              ["data.limit=null", "data.heldout=20", "data.max_new_tokens=64", "data.max_length=256",
-              "train.steps=150", "train.eval_every=0", "train.eval_prompts=8", "train.eval_max_new_tokens=64",
-              "teacher.mode=offline"],
+              "drafter.draft_vocab=4096", "train.steps=150", "train.lr=1e-3", "train.eval_every=0",
+              "train.eval_prompts=8", "train.eval_max_new_tokens=64", "teacher.mode=offline", "teacher.top_k=8"],
              12, 8, 64),
     "tiny": ("tiny-lm:0:4",
              ["data.limit=null", "data.heldout=16", "data.max_new_tokens=48", "data.max_length=160",
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     target = load_model(target_spec)
 
     step(2, "training data: the builtin prompts, answered by the target (cached after the first run)")
-    recipe = load_recipe("tiny-medusa", [f"target={target_spec}", f"output_dir={out / 'train'}",
+    recipe = load_recipe("tiny-eagle", [f"target={target_spec}", f"output_dir={out / 'train'}",
                                          f"name=quickstart-{plan}", f"tracking.report_to={args.report_to}",
                                          f"data.cache_dir={out / 'data'}", *overrides,
                                          *([f"train.steps={args.steps}"] if args.steps else [])])
@@ -77,19 +79,19 @@ def run(args: argparse.Namespace) -> int:
     if drafter_dir.is_dir():
         step(3, f"drafter: reusing {drafter_dir}")
     else:
-        step(3, f"drafter: {recipe.drafter.num_heads} Medusa heads, {recipe.train.steps} steps")
+        step(3, f"drafter: EAGLE-style, {recipe.drafter.num_layers} layer, {recipe.train.steps} steps")
         train(recipe, progress=progress)
 
     step(4, "evaluation against the training-free baselines")
     prompts = load_conversations(BUILTIN_PROMPTS / "quickstart.jsonl").shuffle(seed=recipe.train.seed)
     heldout = prompts.select(range(recipe.data.heldout))  # the prompts the drafter never trained on
-    # One draft length (the heads' count) and one plain pass shared by the three drafters: plain decoding
-    # does not depend on the drafter, and each extra pass costs minutes on a CPU.
-    settings = EvalSettings(modes=["greedy"], draft_lens=[recipe.drafter.num_heads], batch_sizes=[1],
+    # One draft length (the one training evaluated) and one plain pass shared by the three drafters:
+    # plain decoding does not depend on the drafter, and each extra pass costs minutes on a CPU.
+    settings = EvalSettings(modes=["greedy"], draft_lens=[recipe.train.eval_draft_len], batch_sizes=[1],
                             max_new_tokens=eval_tokens, limit=eval_prompts,
                             prompts_path="builtin:quickstart (held out)")
     rows, plain_passes = [], PlainPasses()
-    for name, spec in [("medusa (trained)", str(drafter_dir)), (f"early-exit:{exit_layers}", f"early-exit:{exit_layers}"),
+    for name, spec in [("eagle (trained)", str(drafter_dir)), (f"early-exit:{exit_layers}", f"early-exit:{exit_layers}"),
                        ("ngram", "ngram")]:
         report_dir = out / "eval" / name.split(" ")[0].replace(":", "-")
         report = load_or_evaluate(target, spec, heldout.select(range(min(eval_prompts, len(heldout)))),
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     write_summary(out, rows, started)
 
     step(5, "speculative generation demo")
-    demo(target, str(drafter_dir))
+    demo(target, str(drafter_dir), recipe.train.eval_draft_len)
     print(f"\nquickstart finished in {time.perf_counter() - started:.0f} s; reports in {out / 'eval'}, "
           f"summary in {out / 'quickstart.md'}", file=sys.stderr)
     return 0
@@ -142,12 +144,12 @@ def write_summary(out: Path, rows, started: float) -> None:
     (out / "quickstart.md").write_text("\n".join(lines))
 
 
-def demo(target, drafter: str) -> None:
+def demo(target, drafter: str, draft_len: int) -> None:
     stops = stop_token_ids(target.model, target.tokenizer)
     prompt = encode_prompt(target.tokenizer, DEMO_PROMPT, chat=True)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], max_new_tokens=64)
     decoder = SpeculativeDecoder(target.model, build_proposer(drafter, target), stop_token_ids=stops)
-    result = decoder.generate([prompt], max_new_tokens=64, draft_len=3)
+    result = decoder.generate([prompt], max_new_tokens=64, draft_len=draft_len)
     # The text goes to stdout, its statistics to stderr, as in `draftsmith generate`.
     print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n", flush=True)
     same = "identical to" if result.tokens == plain.tokens else "DIFFERENT FROM"

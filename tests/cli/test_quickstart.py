@@ -17,13 +17,13 @@ def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
         assert f"[{n}/5]" in err
     assert "speedup" in err and "identical to plain greedy" in err
     summary = (out / "quickstart.md").read_text()
-    assert "medusa (trained)" in summary and "early-exit:1" in summary and "ngram" in summary
+    assert "eagle (trained)" in summary and "early-exit:1" in summary and "ngram" in summary
     reports = {p.parent.name: json.loads(p.read_text()) for p in (out / "eval").glob("*/report.json")}
-    assert set(reports) == {"medusa", "early-exit-1", "ngram"}
+    assert set(reports) == {"eagle", "early-exit-1", "ngram"}
     assert all(r["exactness"]["passed"] for r in reports.values())
-    assert list((out / "eval" / "medusa").glob("*.png"))
-    trained = max(a["al"] for a in reports["medusa"]["acceptance"])
-    assert trained > 1.2  # the trained heads are accepted, not just exact
+    assert list((out / "eval" / "eagle").glob("*.png"))
+    trained = max(a["al"] for a in reports["eagle"]["acceptance"])
+    assert trained > 1.2  # the trained drafter is accepted, not just exact
 
     stamp = (out / "train" / "drafter" / "config.json").stat().st_mtime_ns
     assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
