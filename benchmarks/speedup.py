@@ -17,7 +17,7 @@ table reports the median over repetitions of total tokens / total seconds:
   (`draft_confidence=x`), hence the same drafts and the same acceptance: the ratio of the two is the
   runtimes' own overhead.
 
-Hugging Face assisted generation needs a draft *model*; for Medusa heads or n-gram lookup its rows are
+Hugging Face assisted generation needs a draft *model*; for Medusa heads, EAGLE drafters or n-gram lookup its rows are
 left out and the table compares draftsmith with plain decoding only.
 
 AL is tokens per target pass; for HF it comes from the number of target forward passes, counted with a
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
@@ -115,7 +116,10 @@ def main(argv=None) -> int:
 
     target = load_model(args.target)
     proposer = build_proposer(args.drafter, target)
-    assistant = proposer.model if isinstance(proposer, DraftModelProposer) else None
+    # Hugging Face assisted generation takes a causal LM as assistant_model: a draft LM, not an EAGLE
+    # drafter (which reads the target's features) nor heads or lookup.
+    model = proposer.model if isinstance(proposer, DraftModelProposer) else None
+    assistant = model if isinstance(model, PreTrainedModel) else None
     texts = load_prompts(args.prompts_file, args.prompts)
     prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     stops = stop_token_ids(target.model, target.tokenizer)
