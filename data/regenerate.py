@@ -42,7 +42,7 @@ from pathlib import Path
 import datasets
 from tqdm.auto import tqdm
 
-from draftsmith.data.render import TOKEN_FEATURES, render_prompt
+from draftsmith.data.render import TOKEN_FEATURES, render_prompt, render_user_turn
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
@@ -77,14 +77,20 @@ def regenerate(
     proposer: Proposer | None = None,
     draft_len: int = 4,
     progress: bool = True,
+    role: str = "assistant",
+    desc: str = "regenerating",
 ) -> datasets.Dataset:
     """Answer every conversation with `target` into `out_dir` (see the module docstring); resumable.
 
     batch_size, proposer and draft_len change speed only, so a rerun may change them freely.
+    role="user" makes the target write the next user turn instead of an answer (the conversations may
+    then be empty; see draftsmith.data.self_prompts); the new message gets that role.
     """
     _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len)
     SamplingParams(temperature=temperature, top_p=top_p, seed=0)  # validates the sampling settings
-    _check_prompts(conversations, target.tokenizer)
+    if role not in ("assistant", "user"):
+        raise InvalidInputError(f"regenerate writes assistant or user turns, not {role!r}")
+    _check_prompts(conversations, target.tokenizer, need_user=role == "assistant")
     out_dir = Path(out_dir)
     settings = {
         "target": target.name,
@@ -98,6 +104,8 @@ def regenerate(
         "num_records": len(conversations),
         "input_hash": conversations_hash(conversations),
     }
+    if role != "assistant":  # (absent for answers, so the manifests written before this option still match)
+        settings["role"] = role
     num_shards = math.ceil(len(conversations) / shard_size)
     manifest = open_run_dir(out_dir, KIND, settings, num_shards)
     if manifest["complete"] and (out_dir / "dataset").is_dir():
@@ -110,14 +118,14 @@ def regenerate(
         print(f"regenerate: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     done_records = sum(len(_shard_range(s, shard_size, len(conversations))) for s in done)
-    with tqdm(total=len(conversations), initial=done_records, unit="rec", desc="regenerating",
+    with tqdm(total=len(conversations), initial=done_records, unit="rec", desc=desc,
               disable=not progress, file=sys.stderr) as bar:
         for shard in range(num_shards):
             if shard in done:
                 continue
             records = _shard_range(shard, shard_size, len(conversations))
             rows = _generate_rows(decoder, target.tokenizer, conversations, records, settings,
-                                  batch_size, draft_len, bar)
+                                  batch_size, draft_len, bar, role)
             _write_shard(shard_dir / shard_name(shard), rows)
             done.add(shard)
             manifest["shards_done"] = sorted(done)
@@ -159,10 +167,11 @@ def shard_name(shard: int) -> str:
 
 
 def _generate_rows(decoder, tokenizer, conversations, records: range, settings: dict, batch_size: int,
-                   draft_len: int, bar) -> list[dict]:
+                   draft_len: int, bar, role: str) -> list[dict]:
     """The output rows of `records`, in record order; batched by prompt length for less padding."""
-    rows = [_prompt_row(conversations[r], r) for r in records]
-    prompts = [render_prompt(tokenizer, row["messages"]) for row in rows]
+    rows = [_prompt_row(conversations[r], r, need_user=role == "assistant") for r in records]
+    render = render_prompt if role == "assistant" else render_user_turn
+    prompts = [render(tokenizer, row["messages"]) for row in rows]
     order = sorted(range(len(rows)), key=lambda k: len(prompts[k]))
     for begin in range(0, len(order), batch_size):
         chunk = order[begin: begin + batch_size]
@@ -174,15 +183,17 @@ def _generate_rows(decoder, tokenizer, conversations, records: range, settings: 
         result = decoder.generate([prompts[k] for k in chunk], params,
                                   max_new_tokens=settings["max_new_tokens"], draft_len=draft_len)
         for k, generated, reason in zip(chunk, result.tokens, result.finish_reasons):
-            _complete_row(rows[k], tokenizer, prompts[k], generated, reason)
+            _complete_row(rows[k], tokenizer, prompts[k], generated, reason, role)
         bar.update(len(chunk))
     return rows
 
 
-def _check_prompts(conversations: datasets.Dataset, tokenizer) -> None:
+def _check_prompts(conversations: datasets.Dataset, tokenizer, need_user: bool) -> None:
     """Refuse unanswerable records before anything is written (a run dir is tied to its input)."""
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidInputError("regeneration renders prompts with a chat template; this tokenizer has none")
+    if not need_user:
+        return
     index = 0
     for batch in conversations.select_columns(["messages"]).iter(batch_size=1000):
         for messages in batch["messages"]:
@@ -191,11 +202,11 @@ def _check_prompts(conversations: datasets.Dataset, tokenizer) -> None:
             index += 1
 
 
-def _prompt_row(record: dict, index: int) -> dict:
-    messages = list(record["messages"])
-    while messages and messages[-1]["role"] == "assistant":
+def _prompt_row(record: dict, index: int, need_user: bool) -> dict:
+    messages = list(record["messages"] or [])
+    while need_user and messages and messages[-1]["role"] == "assistant":
         messages.pop()
-    if not messages:
+    if need_user and not messages:
         raise InvalidInputError(f"record {index} has no user message to answer")
     return {
         "id": str(record["id"]) if record.get("id") is not None else str(index),
@@ -205,9 +216,9 @@ def _prompt_row(record: dict, index: int) -> dict:
     }
 
 
-def _complete_row(row: dict, tokenizer, prompt: list[int], generated: list[int], reason: str) -> None:
+def _complete_row(row: dict, tokenizer, prompt: list[int], generated: list[int], reason: str, role: str) -> None:
     reply = tokenizer.decode(generated, skip_special_tokens=True)
-    row["messages"].append({"role": "assistant", "content": reply})
+    row["messages"].append({"role": role, "content": reply})
     row["input_ids"] = list(prompt) + list(generated)
     row["loss_mask"] = [0] * len(prompt) + [1] * len(generated)
     row["prompt_len"] = len(prompt)

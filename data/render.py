@@ -92,6 +92,32 @@ def tokenize_dataset(dataset: datasets.Dataset, tokenizer, max_length: int) -> d
     return kept
 
 
+def render_user_turn(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` (possibly none) followed by an opened user turn, with no content yet.
+
+    From here an instruction-tuned model writes a user's request itself, in the style of the requests
+    it was tuned on (Magpie, Xu et al. 2024): the way draftsmith.data.self_prompts gets prompts from the
+    target alone. The template is rendered with a placeholder user message and cut before it; refused
+    with a one-line error when the template does not show the placeholder verbatim, or when the cut
+    text does not tokenize to a prefix of the whole rendering.
+    """
+    if messages:
+        _check_messages(tokenizer, messages)
+    elif not getattr(tokenizer, "chat_template", None):
+        raise InvalidInputError("rendering conversations needs a tokenizer with a chat template; this one has none")
+    whole = _render(tokenizer, list(messages) + [{"role": "user", "content": _PLACEHOLDER}], opened=False)
+    cut = whole.find(_PLACEHOLDER)
+    if cut < 0:
+        raise InvalidInputError("the chat template does not render a user message verbatim, so a user turn "
+                                "cannot be opened for the target to write")
+    ids = _tokenize(tokenizer, whole[:cut])
+    if not ids or ids != _tokenize(tokenizer, whole)[: len(ids)]:
+        raise _not_prefix_stable(len(messages) + 1, "with a user turn opened")
+    return ids
+
+
+_PLACEHOLDER = "DRAFTSMITH_USER_TURN_7f3a"
+
 TOKEN_FEATURES = {
     "input_ids": datasets.List(datasets.Value("int32")),
     "loss_mask": datasets.List(datasets.Value("int8")),

@@ -55,7 +55,8 @@ class DrafterConfig(Section):
 
 class DataConfig(Section):
     prompts: list[str] = Field(default_factory=lambda: ["builtin:quickstart"])
-    """Prompt / conversation files (jsonl, json, parquet, csv, saved dataset dirs) or builtin:NAME."""
+    """Prompt / conversation files (jsonl, json, parquet, csv, saved dataset dirs), builtin:NAME, or self:N
+    (N prompts the target writes itself, Magpie-style; see draftsmith.data.self_prompts)."""
     prompt_column: str | None = None
     """Column holding the prompt, when it is not inferred (prompt, instruction, question, turns, messages...)."""
     limit: int | None = Field(None, ge=1)

@@ -20,6 +20,7 @@ import draftsmith.data
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import regenerate
 from draftsmith.data.render import render_prompt, tokenize_dataset
+from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
 from draftsmith.data.teacher import ConcatTeacher, TeacherCache, cache_teacher_signals
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
@@ -37,6 +38,8 @@ class TrainingData:
 
 
 def resolve_prompt_file(spec: str) -> Path:
+    if is_self_spec(spec):
+        raise InvalidInputError(f"'{spec}' (prompts the target writes) is a training-data source only; list a file here")
     if spec.startswith("builtin:"):
         name = spec.removeprefix("builtin:")
         path = BUILTIN_PROMPTS / f"{name}.jsonl"
@@ -50,10 +53,29 @@ def resolve_prompt_file(spec: str) -> Path:
     return path
 
 
-def load_records(recipe: Recipe) -> datasets.Dataset:
+def source_fingerprint(spec: str) -> str:
+    """What a data.prompts entry contributes to the cache keys: a file's content hash, or for `self:N`
+    the count (the prompts themselves follow from the target, the seed and this draftsmith)."""
+    if is_self_spec(spec):
+        return f"self-written:{self_prompt_count(spec)}"
+    return file_fingerprint(resolve_prompt_file(spec))
+
+
+def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: Path | None = None,
+                 progress: bool = True) -> datasets.Dataset:
+    """Every data.prompts source as conversations, shuffled. Files give at most data.limit records each;
+    a `self:N` source (N prompts the target writes, cached under cache_root) gives at most N."""
     cfg = recipe.data
-    parts = [load_conversations(resolve_prompt_file(spec), ColumnMap(prompt=cfg.prompt_column), limit=cfg.limit)
-             for spec in cfg.prompts]
+
+    def load(spec: str) -> datasets.Dataset:
+        if not is_self_spec(spec):
+            return load_conversations(resolve_prompt_file(spec), ColumnMap(prompt=cfg.prompt_column), limit=cfg.limit)
+        count = self_prompt_count(spec)
+        key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed)
+        return write_prompts(target, count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
+                             batch_size=cfg.regen_batch_size, progress=progress)
+
+    parts = [load(spec) for spec in cfg.prompts]
     if not parts:
         raise InvalidInputError("data.prompts lists no files")
     if len({"input_ids" in part.column_names for part in parts}) > 1:
@@ -86,8 +108,8 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     """Build (main process) or load (other processes, after the main one) the run's data."""
     cfg = recipe.data
     cache_root = Path(cfg.cache_dir or Path(recipe.output_dir) / "data")
-    files = {spec: file_fingerprint(resolve_prompt_file(spec)) for spec in cfg.prompts}
-    records = load_records(recipe)
+    files = {spec: source_fingerprint(spec) for spec in cfg.prompts}
+    records = load_records(recipe, target, cache_root, progress=progress and is_main)
     train_records, heldout = split_heldout(records, cfg.heldout)
     source = {"prompts": cfg.prompts, "records": len(train_records), "heldout": len(heldout),
               "regenerated": cfg.regenerate, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}

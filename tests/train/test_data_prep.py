@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from draftsmith.data.render import render_prompt
+from draftsmith.data.self_prompts import write_prompts
 from draftsmith.data.teacher import ConcatTeacher
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import load_model
@@ -58,3 +60,21 @@ def test_extra_samples_need_regeneration(target, prompts, tmp_path):
     with pytest.raises(InvalidInputError, match="extra_samples needs data.regenerate"):
         prepare_data(recipe(prompts, tmp_path, "data.extra_samples=1", "data.regenerate=false"), target,
                      is_main=True, progress=False)
+
+
+def test_a_self_source_adds_prompts_the_target_writes(target, prompts, tmp_path):
+    data = prepare_data(recipe(prompts, tmp_path, f"data.prompts=[{prompts},self:12]"), target, is_main=True,
+                        progress=False)
+    written = list(tmp_path.glob("prompts-*"))
+    assert len(written) == 1
+    kept = write_prompts(target, 12, written[0], seed=0, progress=False)  # what the run used, from its cache
+    assert 0 < len(kept) < 12
+    assert data.source["records"] + data.source["heldout"] == 10 + len(kept)
+    firsts = {tuple(ids[:p]) for ids, p in zip(data.train["input_ids"], data.train["prompt_len"])}
+    firsts |= {tuple(p) for p in data.heldout_prompts}
+    dropped = data.source["records"] - len(data.train)  # answers with no token left to learn after truncation
+    answered = sum(tuple(render_prompt(target.tokenizer, row["messages"])) in firsts for row in kept)
+    assert answered >= len(kept) - dropped and answered > 0  # the self-written requests are answered
+    assert data.source["prompts"] == [str(prompts), "self:12"]
+    with pytest.raises(InvalidInputError, match="self:N"):
+        prepare_data(recipe(prompts, tmp_path, "data.prompts=[self:many]"), target, is_main=True, progress=False)
