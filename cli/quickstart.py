@@ -17,11 +17,14 @@ the regenerated data, the trained drafter and finished reports.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from draftsmith.common import resolve_device
 from draftsmith.data.prompts import load_conversations
 from draftsmith.eval.run import PlainPasses, evaluate
 from draftsmith.eval.settings import EvalSettings
@@ -56,6 +59,8 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=None, help="run directory (default runs/quickstart[-tiny])")
     p.add_argument("--steps", type=int, default=None, help="training steps (default 150, --tiny 60)")
     p.add_argument("--report-to", default="none", choices=["none", "wandb", "tensorboard"])
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA when available), cpu, or cuda: where the target answers, trains and is evaluated")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run)
 
@@ -66,9 +71,10 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or Path("runs") / ("quickstart-tiny" if args.tiny else "quickstart")
     progress = not args.no_progress
     started = time.perf_counter()
+    device = resolve_device(args.device)
 
-    step(1, f"target {target_spec}")
-    target = load_model(target_spec)
+    step(1, f"target {target_spec} on {device}")
+    target = load_model(target_spec, device=device)
 
     step(2, "training data: the builtin prompts, answered by the target (cached after the first run)")
     recipe = load_recipe("tiny-eagle", [f"target={target_spec}", f"output_dir={out / 'train'}",
@@ -80,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         step(3, f"drafter: reusing {drafter_dir}")
     else:
         step(3, f"drafter: EAGLE-style, {recipe.drafter.num_layers} layer, {recipe.train.steps} steps")
-        train(recipe, progress=progress)
+        with training_device(device):
+            train(recipe, progress=progress)
 
     step(4, "evaluation against the training-free baselines")
     prompts = load_conversations(BUILTIN_PROMPTS / "quickstart.jsonl").shuffle(seed=recipe.train.seed)
@@ -156,6 +163,22 @@ def demo(target, drafter: str, draft_len: int) -> None:
     print(f"speculative: {result.stats.tokens_per_s:.1f} tok/s, AL {result.stats.acceptance_length:.2f}; "
           f"plain: {plain.stats.tokens_per_s:.1f} tok/s; speedup {result.stats.tokens_per_s / plain.stats.tokens_per_s:.2f}x; "
           f"output {same} plain greedy decoding", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def training_device(device):
+    """Training runs under accelerate, which takes a GPU whenever it sees one: on `--device cpu` it is told
+    not to (ACCELERATE_USE_CPU, for the training only)."""
+    saved = os.environ.get("ACCELERATE_USE_CPU")
+    if device.type == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("ACCELERATE_USE_CPU", None)
+        else:
+            os.environ["ACCELERATE_USE_CPU"] = saved
 
 
 def step(number: int, text: str) -> None:

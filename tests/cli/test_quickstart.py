@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from draftsmith.cli import main
 
@@ -11,8 +12,9 @@ pytestmark = pytest.mark.slow
 
 def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
     out = tmp_path / "qs"
-    assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
+    assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
+    assert "on cpu" in err
     for n in range(1, 6):
         assert f"[{n}/5]" in err
     assert "speedup" in err and "identical to plain greedy" in err
@@ -29,3 +31,11 @@ def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
     assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
     assert "reusing" in capsys.readouterr().err
     assert (out / "train" / "drafter" / "config.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_quickstart_refuses_a_device_this_machine_lacks(tmp_path, capsys):
+    assert main(["quickstart", "--tiny", "--out", str(tmp_path / "qs"), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error:") and "CUDA is not available" in err
+    assert not (tmp_path / "qs").exists()
