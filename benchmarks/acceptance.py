@@ -1,14 +1,16 @@
 """Acceptance length of several drafters on the same prompts, side by side in one run.
 
     python benchmarks/acceptance.py --drafters runs/draft-lm-smollm2/drafter,runs/medusa-smollm2/drafter,early-exit:12,ngram \
-        [--prompts 50] [--draft-len 4] [--max-new-tokens 128] [--batch-size 10] [--json out.json]
+        [--prompts 50] [--draft-len 4] [--max-new-tokens 128] [--batch-size 10] [--alternatives 0,3] [--json out.json]
 
 Greedy decoding of chat prompts spread over ../shared/data/eval_prompts/vicuna_bench.jsonl and
 arena_hard_v0.1.jsonl. Greedy speculation is exact, so each row's tokens (and therefore its AL) are the
 same in any batch; prompts are decoded in batches only to make the run affordable on a CPU. Every
 drafter's output is checked against the first drafter's (all must equal plain greedy decoding). A lookup
 combination (`ngram+DIR`) also reports the share of rounds its prompt lookup drafted. For speed figures
-at batch 1 use benchmarks/speedup.py.
+at batch 1 use benchmarks/speedup.py. With `--alternatives 0,3` each drafter runs once per value: A > 0
+also verifies its A runner-up tokens per draft position as sibling leaves (speculative/tree.py); the
+"leaf rounds" column is the share of rounds a leaf replaced a rejected draft token.
 """
 
 from __future__ import annotations
@@ -40,23 +42,25 @@ def eval_prompts(count: int) -> list:
     return picks
 
 
-def measure(target, spec, prompts, args, stops):
+def measure(target, spec, prompts, args, stops, alternatives=0):
     proposer = build_proposer(spec, target)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
-    outputs, rounds, tokens, hist = [], 0, 0, None
+    outputs, rounds, tokens, hist, leaves = [], 0, 0, None, 0
     start = time.perf_counter()
     with torch.inference_mode():
         for begin in range(0, len(prompts), args.batch_size):
             result = decoder.generate(prompts[begin:begin + args.batch_size], max_new_tokens=args.max_new_tokens,
-                                      draft_len=args.draft_len)
+                                      draft_len=args.draft_len, draft_alternatives=alternatives)
             outputs += result.tokens
             stats = result.stats
             rounds += stats.rounds
+            leaves += stats.leaf_accepts
             tokens += sum(k * n for k, n in enumerate(stats.emitted_hist))
             hist = stats.emitted_hist if hist is None else [a + b for a, b in zip(hist, stats.emitted_hist)]
     seconds = time.perf_counter() - start
-    row = {"drafter": spec, "acceptance_length": tokens / max(rounds, 1), "rounds": rounds,
-           "emitted_hist": hist, "seconds": seconds}
+    name = spec if not alternatives else f"{spec} A={alternatives}"
+    row = {"drafter": name, "alternatives": alternatives, "acceptance_length": tokens / max(rounds, 1),
+           "rounds": rounds, "leaf_share": leaves / max(rounds, 1), "emitted_hist": hist, "seconds": seconds}
     if hasattr(proposer, "lookup_rounds"):  # a lookup combination: how often each side drafted
         row["lookup_share"] = proposer.lookup_rounds / max(proposer.lookup_rounds + proposer.model_rounds, 1)
     return outputs, row
@@ -70,6 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=10)
+    parser.add_argument("--alternatives", default="0",
+                        help="comma-separated runner-up counts per draft position (0 = chain drafting)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -78,18 +84,22 @@ def main(argv=None) -> int:
     prompts = [encode_prompt(target.tokenizer, row["messages"], chat=True) for row in eval_prompts(args.prompts)]
     rows, reference = [], None
     for spec in args.drafters.split(","):
-        outputs, row = measure(target, spec, prompts, args, stops)
-        reference = reference or outputs
-        row["identical_outputs"] = sum(a == b for a, b in zip(outputs, reference))
-        rows.append(row)
-        print(f"{spec}: AL {row['acceptance_length']:.3f} in {row['seconds']:.0f} s", file=sys.stderr, flush=True)
+        for alternatives in (int(a) for a in args.alternatives.split(",")):
+            outputs, row = measure(target, spec, prompts, args, stops, alternatives)
+            reference = reference or outputs
+            row["identical_outputs"] = sum(a == b for a, b in zip(outputs, reference))
+            rows.append(row)
+            print(f"{row['drafter']}: AL {row['acceptance_length']:.3f} in {row['seconds']:.0f} s", file=sys.stderr,
+                  flush=True)
     print(f"\ntarget {target.name}; {len(prompts)} prompts (vicuna_bench + arena-hard), greedy, D={args.draft_len}, "
           f"{args.max_new_tokens} new tokens, batches of {args.batch_size}")
-    print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s} {'lookup rounds':>14s}")
+    print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s} {'lookup rounds':>14s} "
+          f"{'leaf rounds':>12s}")
     for r in rows:
         share = f"{r['lookup_share']:.0%}" if "lookup_share" in r else "-"
+        leaf = f"{r['leaf_share']:.0%}" if r["alternatives"] else "-"
         print(f"{r['drafter']:45s} {r['acceptance_length']:6.3f} {r['rounds']:7d} {r['seconds']:8.0f} "
-              f"{r['identical_outputs']:>5d}/{len(prompts)} {share:>14s}")
+              f"{r['identical_outputs']:>5d}/{len(prompts)} {share:>14s} {leaf:>12s}")
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     return 0

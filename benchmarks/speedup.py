@@ -1,7 +1,7 @@
 """Speculative decoding speed on the embedded target, side by side in one run.
 
     python benchmarks/speedup.py [--drafter early-exit:10 | DIR | ngram] [--prompts N] [--reps 3]
-                                 [--draft-lens 2,4] [--confidences 0,0.4] [--json out.json]
+                                 [--draft-lens 2,4] [--confidences 0,0.4] [--alternatives 0,3] [--json out.json]
 
 Batch 1, greedy, 128 new tokens, chat prompts from ../shared/data/eval_prompts/vicuna_bench.jsonl spread
 over its categories. Each system decodes every prompt; a repetition is one pass over all prompts, and the
@@ -15,7 +15,10 @@ table reports the median over repetitions of total tokens / total seconds:
   draft, -1 otherwise, threshold 0.4);
 - `draftsmith D=k [c=x]`: draftsmith's runtime with the same drafter, D and confidence stop
   (`draft_confidence=x`), hence the same drafts and the same acceptance: the ratio of the two is the
-  runtimes' own overhead.
+  runtimes' own overhead;
+- `draftsmith D=k [c=x] A=a`: with `--alternatives`, draftsmith also verifying the drafter's a runner-up
+  tokens per draft position as sibling leaves in the same target pass (speculative/tree.py); Hugging
+  Face has no counterpart, so these rows have no hf twin.
 
 Hugging Face assisted generation needs a draft *model*; for Medusa heads, EAGLE drafters or n-gram lookup its rows are
 left out and the table compares draftsmith with plain decoding only.
@@ -86,11 +89,12 @@ def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="c
     return outputs, tokens / elapsed, tokens / max(passes, 1)
 
 
-def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0):
+def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, alternatives=0):
     outputs, tokens, rounds = [], 0, 0
     start = time.perf_counter()
     for ids in prompts:
-        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence)
+        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence,
+                                  draft_alternatives=alternatives)
         outputs.append(result.tokens[0])
         tokens += result.stats.new_tokens
         rounds += result.stats.rounds
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-lens", default="2,4")
     parser.add_argument("--confidences", default="0",
                         help="comma list of confidence stops per D (0 = a fixed D); each gives an hf and a draftsmith row")
+    parser.add_argument("--alternatives", default="0",
+                        help="comma list of runner-up counts per draft position (0 = chain); draftsmith rows only")
     parser.add_argument("--no-heuristic", action="store_true", help="leave out HF's heuristic schedule")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
@@ -127,9 +133,10 @@ def main(argv=None) -> int:
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
     plain_decoder = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     settings = [(int(d), float(c)) for d in args.draft_lens.split(",") for c in args.confidences.split(",")]
+    alternatives = [int(a) for a in args.alternatives.split(",")]
 
-    def label(d, c):
-        return f"D={d}" + (f" c={c:g}" if c else "")
+    def label(d, c, a=0):
+        return f"D={d}" + (f" c={c:g}" if c else "") + (f" A={a}" if a else "")
 
     systems = {"hf generate": lambda: time_hf(target.model, prompts, args.max_new_tokens),
                "draftsmith plain": lambda: time_draftsmith(plain_decoder, prompts, args.max_new_tokens, 0)}
@@ -137,8 +144,9 @@ def main(argv=None) -> int:
         if assistant is not None:
             systems[f"hf assisted {label(d, c)}"] = lambda d=d, c=c: time_hf(
                 target.model, prompts, args.max_new_tokens, assistant, d, confidence=c)
-        systems[f"draftsmith {label(d, c)}"] = lambda d=d, c=c: time_draftsmith(
-            decoder, prompts, args.max_new_tokens, d, c)
+        for a in alternatives:
+            systems[f"draftsmith {label(d, c, a)}"] = lambda d=d, c=c, a=a: time_draftsmith(
+                decoder, prompts, args.max_new_tokens, d, c, a)
     if assistant is not None and not args.no_heuristic:
         systems["hf assisted heuristic"] = lambda: time_hf(target.model, prompts, args.max_new_tokens, assistant,
                                                            schedule="heuristic")
@@ -170,7 +178,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['system']:26s} {r['tokens_per_s']:8.2f} {r['acceptance_length']:6.2f} "
               f"{r['speedup_vs_hf_generate']:7.2f}x {r['exact_outputs']:>7s}")
-    for d, c in settings if assistant is not None else []:
+    for d, c in settings if assistant is not None and 0 in alternatives else []:
         ours = next(r for r in rows if r["system"] == f"draftsmith {label(d, c)}")
         hf = next(r for r in rows if r["system"] == f"hf assisted {label(d, c)}")
         print(f"draftsmith / hf assisted at {label(d, c)}: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")

@@ -21,7 +21,7 @@ _SETTING_FLAGS = {
     "limit": "limit", "chat": "chat", "seed": "seed", "bootstrap": "bootstrap",
     "fidelity_contexts": "fidelity_contexts", "fidelity_samples": "fidelity_samples",
     "fidelity_window": "fidelity_window", "retune_threshold": "retune_threshold",
-    "draft_confidence": "draft_confidence",
+    "draft_confidence": "draft_confidence", "draft_alternatives": "draft_alternatives",
     "prompts": "prompts_path", "prompt_column": "prompt_column", "drafter": "drafter",
 }
 _LISTS = {"modes": str, "draft_lens": int, "batch_sizes": int}
@@ -42,6 +42,9 @@ def register(sub) -> None:
     p.add_argument("--draft-confidence", type=float,
                    help="dynamic draft length: stop a draft after a token the drafter gives less than this "
                         "probability; each D is then the most per round (default 0 = fixed D)")
+    p.add_argument("--draft-alternatives", type=int,
+                   help="greedy modes: also verify the drafter's A runner-up tokens per draft position, as "
+                        "sibling leaves in the same target pass (default 0 = chain drafting; still exact)")
     p.add_argument("--batch-sizes", help="comma list of batch sizes for the speed figures (default 1)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--limit", type=int, help="evaluate the first N prompts only")

@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--draft-confidence", type=float, default=0.0,
                    help="stop a draft after a token the drafter gives less than this probability "
                         "(dynamic draft length; 0 = always D tokens; still exact)")
+    p.add_argument("--draft-alternatives", type=int, default=0,
+                   help="greedy: also verify the drafter's A runner-up tokens per draft position as sibling "
+                        "leaves in the same target pass (a small draft tree; 0 = a chain; still exact)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -46,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     stream = TextStream(target.tokenizer)
     result = decoder.generate([prompt], sampling, max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
-                              draft_confidence=args.draft_confidence, on_emit=lambda row, ids: stream.push(ids))
+                              draft_confidence=args.draft_confidence, draft_alternatives=args.draft_alternatives,
+                              on_emit=lambda row, ids: stream.push(ids))
     stream.close()
     print(format_stats(result.stats, proposer is not None), file=sys.stderr)
     return 0
@@ -83,4 +87,6 @@ def format_stats(stats, speculative: bool) -> str:
         line = (f"AL {stats.acceptance_length:.2f} (D={stats.draft_len}, {stats.mean_draft_len:.2f} drafted per round)"
                 f" | {line} | per-position acceptance [{accept}]"
                 f" | time: draft {t['draft']:.2f} s, target {t['target']:.2f} s, verify {t['verify']:.2f} s")
+        if stats.leaf_accepts:
+            line += f" | a sibling leaf was taken in {stats.leaf_accepts} of {stats.rounds} rounds"
     return line

@@ -10,7 +10,8 @@ One round for every row still decoding:
 
 The target's cache always holds the context except its newest token (`last`), which is the first
 input of the next verification pass. With no drafter every round has D = 0 and this is plain
-decoding through the same code. Greedy rows reproduce the target's greedy decoding token for token;
+decoding through the same code. With `draft_alternatives` > 0, greedy rows also verify the drafter's
+runner-up tokens as sibling leaves of the chain in the same pass (tree.py). Greedy rows reproduce the target's greedy decoding token for token;
 sampled rows emit exactly the target's (processed) distribution.
 """
 
@@ -29,6 +30,7 @@ from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
 from draftsmith.speculative.small_gemm import small_row_linears, wanted
+from draftsmith.speculative.tree import Leaves, take_leaves
 from draftsmith.speculative.verify import VerifyOutput
 
 Verifier = Callable[..., VerifyOutput]
@@ -45,6 +47,7 @@ class DecodeStats:
     offered: list[int] = field(default_factory=list)  # [D]: rounds whose draft reached position i
     accepted: list[int] = field(default_factory=list)  # [D]: ... and accepted it
     drafted: int = 0  # draft tokens proposed, over all rounds (fewer than D per round with a confidence stop)
+    leaf_accepts: int = 0  # rounds in which a sibling leaf replaced a rejected draft token (tree.py)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0  # target forward passes of the rounds
@@ -99,6 +102,7 @@ class DecodeStats:
             "mean_draft_len": self.mean_draft_len,
             "offered": self.offered,
             "accepted": self.accepted,
+            "leaf_accepts": self.leaf_accepts,
             "tokens_per_s": self.tokens_per_s,
             "time_s": {
                 "prefill": self.prefill_s,
@@ -168,17 +172,22 @@ class SpeculativeDecoder:
         max_new_tokens: int = 128,
         draft_len: int = 4,
         draft_confidence: float = 0.0,
+        draft_alternatives: int = 0,
         on_emit: Callable[[int, list[int]], None] | None = None,
     ) -> GenerationResult:
         """Decode every prompt; `on_emit(prompt_index, new_ids)` streams tokens as they are accepted.
 
         `draft_len` is the most tokens drafted per round; with `draft_confidence` > 0 a drafter with
         probabilities stops a row's draft early, after the first token it gives less than that
-        probability (see proposers.py). Output is exact either way."""
+        probability (see proposers.py). With `draft_alternatives` = A > 0 a drafter with logits also
+        offers its A runner-ups at each draft position of greedy rows, verified as a tree in the same
+        target pass (tree.py). Output is exact either way."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         self._validate(prompts, params, max_new_tokens, draft_len, draft_confidence)
+        if draft_alternatives < 0:
+            raise InvalidInputError(f"draft alternatives must be >= 0, got {draft_alternatives}")
         draft_len = draft_len if self.proposer is not None else 0
-        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence)
+        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence, draft_alternatives)
         with self.fast_linears():
             run.prefill()
             while run.active:
@@ -221,9 +230,11 @@ class _Run:
     """The state of one `generate` call: active rows, their caches, outputs and statistics."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts, params, max_new_tokens, draft_len, on_emit,
-                 draft_confidence: float):
+                 draft_confidence: float, draft_alternatives: int = 0):
         self.d = decoder
         self.draft_confidence = draft_confidence
+        self.draft_alternatives = draft_alternatives
+        self.leaves: Leaves | None = None  # this round's sibling leaves (tree.py)
         self.start = time.perf_counter()
         self.max_new_tokens = max_new_tokens
         self.draft_len = draft_len
@@ -266,9 +277,9 @@ class _Run:
         t1 = time.perf_counter()
         logits, hidden = self.score(draft)
         t2 = time.perf_counter()
-        out = self.verify(logits, draft)
+        out, path = self.verify(logits, draft)
         t3 = time.perf_counter()
-        self.accept(out, draft, hidden)
+        self.accept(out, draft, hidden, path)
         self.stats.draft_s += t1 - t0
         self.stats.target_s += t2 - t1
         self.stats.verify_s += t3 - t2
@@ -281,11 +292,13 @@ class _Run:
         wants_hidden = proposer is not None and proposer.needs_target_hidden
         if proposer is None or max(max_lens) <= 0 or (wants_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
-        ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.target_hidden, self.draft_confidence)
+        ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.target_hidden, self.draft_confidence,
+                           self.draft_alternatives)
         return proposer.propose(ctx, self.draft_len)
 
     def score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One target pass over [last, d_1 .. d_D]: logits [B, D+1, V] (and hidden states if wanted)."""
+        """One target pass over [last, d_1 .. d_D] and any sibling leaves: logits [B, T, V], T = D+1
+        plus the leaves' slots (and hidden states if wanted)."""
         batch, width = draft.tokens.shape
         device = self.d.device
         last = torch.tensor([h[-1] for h in self.history], dtype=torch.int64, device=device)
@@ -295,24 +308,40 @@ class _Run:
              torch.arange(width, device=device)[None, :] < draft.lens[:, None]],
             dim=1,
         )
+        tree = None
+        self.leaves = Leaves.from_draft(draft.alternatives, draft.lens, self.sampling.greedy)
+        if self.leaves is not None:
+            tokens = torch.cat([tokens, self.leaves.tokens], dim=1)
+            valid = torch.cat([valid, self.leaves.valid], dim=1)
+            tree = self.leaves.structure(width)
         proposer = self.d.proposer
         wants_hidden = proposer is not None and (proposer.needs_target_hidden or proposer.needs_target_states)
-        out = self.target_kv.forward(tokens, valid, output_hidden_states=wants_hidden)
+        out = self.target_kv.forward(tokens, valid, output_hidden_states=wants_hidden, tree=tree)
         return out.logits, (out.hidden_states[-1] if wants_hidden else None)
 
-    def verify(self, logits: torch.Tensor, draft: Draft) -> VerifyOutput:
+    def verify(self, logits: torch.Tensor, draft: Draft) -> tuple[VerifyOutput, torch.Tensor | None]:
+        """The chain's verification, then (with leaves) a leaf in place of a rejected greedy token; also
+        the slots whose outputs were the emitted tokens ([B, D+1], None = the chain's own)."""
         s = self.sampling
-        args = (logits, draft.tokens, draft.lens, draft.probs, s.temperature, s.top_k, s.top_p)
+        chain = logits[:, : draft.tokens.shape[1] + 1]
+        args = (chain, draft.tokens, draft.lens, draft.probs, s.temperature, s.top_k, s.top_p)
         if self.d.noise_in_kernel:
             seeds, offsets = self.rng.philox_keys()
-            return self.d.verifier(*args, None, None, seeds=seeds, offsets=offsets)
-        sampled = (~s.greedy).tolist()
-        lens = draft.lens.tolist()
-        accept_u = self.rng.uniform([n if x else 0 for n, x in zip(lens, sampled)], draft.tokens.shape[1])
-        race_exp = self.rng.exponential(sampled, logits.shape[-1])
-        return self.d.verifier(*args, accept_u, race_exp)
+            out = self.d.verifier(*args, None, None, seeds=seeds, offsets=offsets)
+        else:
+            sampled = (~s.greedy).tolist()
+            lens = draft.lens.tolist()
+            accept_u = self.rng.uniform([n if x else 0 for n, x in zip(lens, sampled)], draft.tokens.shape[1])
+            race_exp = self.rng.exponential(sampled, logits.shape[-1])
+            out = self.d.verifier(*args, accept_u, race_exp)
+        if self.leaves is None:
+            return out, None
+        out, path, hit = take_leaves(out, logits, draft.lens, self.leaves)
+        self.stats.leaf_accepts += int(hit.sum())
+        return out, path
 
-    def accept(self, out: VerifyOutput, draft: Draft, hidden: torch.Tensor | None) -> None:
+    def accept(self, out: VerifyOutput, draft: Draft, hidden: torch.Tensor | None,
+               path: torch.Tensor | None = None) -> None:
         num_accepted = out.num_accepted.tolist()
         tokens = out.tokens.tolist()
         lens = draft.lens.tolist()
@@ -323,7 +352,14 @@ class _Run:
         self.stats.round_tokens.append(self.stats.new_tokens - before)
 
         width = draft.tokens.shape[1] + 1
-        keep = torch.arange(width, device=self.d.device)[None, :] <= out.num_accepted[:, None]
+        on_path = torch.arange(width, device=self.d.device)[None, :] <= out.num_accepted[:, None]  # [B, D+1]
+        if path is None:
+            keep = on_path
+        else:  # keep the path's slots among all of the pass's; its hidden states in emitted order
+            keep = torch.zeros(len(lens), width + self.leaves.tokens.shape[1], dtype=torch.bool, device=self.d.device)
+            keep.scatter_(1, path, on_path)
+            if hidden is not None:
+                hidden = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))
         self.target_kv.keep_last(keep)
         if self.d.proposer is not None:
             if self.d.proposer.needs_target_states:

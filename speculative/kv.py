@@ -49,15 +49,27 @@ class KVState:
         *,
         logits_to_keep: int = 0,  # 0 = logits for all T slots
         output_hidden_states: bool = False,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T] depth, [T, T] bool sees), see tree.py
         **model_inputs,  # further per-slot inputs of the model (an EAGLE drafter's features)
     ):
-        """Run the model on T new slots per row and append them to the cache."""
-        positions = self.lengths[:, None] + valid.long().cumsum(dim=1) - 1
-        positions = positions.clamp(min=0)  # holes before a row's first token
+        """Run the model on T new slots per row and append them to the cache.
+
+        Without `tree` the new slots form a sequence (each attends to the valid ones before it). With
+        it, new slot t sits at position offset depth[t] from the row's next position and attends to the
+        cached context and to the valid new slots s with sees[t, s]; the caller then keeps one
+        root-to-leaf path with `keep_last`."""
         full_mask = torch.cat([self.mask, valid], dim=1)
+        if tree is None:
+            positions = self.lengths[:, None] + valid.long().cumsum(dim=1) - 1
+            positions = positions.clamp(min=0)  # holes before a row's first token
+            attention = full_mask
+        else:
+            depth, sees = tree
+            positions = self.lengths[:, None] + depth[None, :]
+            attention = self._tree_mask(valid, sees)
         out = self.model(
             input_ids=tokens,
-            attention_mask=full_mask,
+            attention_mask=attention,
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
@@ -70,6 +82,15 @@ class KVState:
         if not self._checked_layout:
             self._check_layout()
         return out
+
+    def _tree_mask(self, valid: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, L + T] additive mask (0 = attend): the valid cached slots, then `sees` among the valid
+        new slots. Transformers passes a 4-D mask to attention as it is."""
+        batch, width = valid.shape
+        allowed = torch.cat([self.mask[:, None, :].expand(batch, width, -1), sees[None] & valid[:, None, :]], dim=2)
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
     def keep_last(self, keep: torch.Tensor) -> None:  # keep: [B, T] bool over the last T slots
         """Roll back: of the last T slots, only those marked in `keep` stay valid."""

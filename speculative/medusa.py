@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext
+from draftsmith.speculative.tree import runner_ups
 
 
 class ResBlock(nn.Module):
@@ -94,4 +95,8 @@ class MedusaProposer(Proposer):
             confident = logits.float().softmax(dim=-1).amax(dim=-1) >= ctx.min_confidence  # [B, width]
             run = confident.long().cumprod(dim=1).sum(dim=1)  # leading confident heads
             lens = torch.minimum(lens, (run + 1).clamp(max=width))
-        return Draft(tokens, lens, None)
+        alternatives = None
+        if ctx.alternatives > 0:
+            greedy = ctx.sampling.greedy[:, None].expand(-1, width)
+            alternatives = runner_ups(logits, tokens, ctx.alternatives, greedy)
+        return Draft(tokens, lens, None, alternatives)

@@ -15,6 +15,10 @@ rule reads only the drafter's own outputs, never the target's, so verification s
 position is verified with the same min(1, p/q) test whatever the number of positions after it.
 Proposers without probabilities (prompt lookup) ignore it.
 
+`RoundContext.alternatives` = A asks a drafter with logits for its A runner-up tokens at every draft
+position of greedy rows (`Draft.alternatives`), which the runtime verifies as sibling leaves of the
+chain in the same target pass (tree.py). Prompt lookup has no runner-ups and ignores it.
+
 `RoundContext.target_hidden` carries the target's last hidden state at the position that produced the
 newest token, for drafters that read it (Medusa-style heads); a proposer that wants it sets
 `needs_target_hidden = True`. A proposer that sets `needs_target_states = True` (EAGLE-style drafters)
@@ -39,6 +43,7 @@ from draftsmith.speculative.errors import InvalidInputError, NumericalError
 from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, processed_probs, race_sample
+from draftsmith.speculative.tree import runner_ups
 
 
 @dataclass
@@ -46,6 +51,7 @@ class Draft:
     tokens: torch.Tensor  # [B, D] int64; entries at or past `lens` are padding (any valid id)
     lens: torch.Tensor  # [B] int64 in 0..D
     probs: torch.Tensor | None  # [B, D, V] draft distribution q after the shared processing; None = one-hot
+    alternatives: torch.Tensor | None = None  # [B, D, A] int64 sibling leaves per position (tree.py); -1 = none
 
     @classmethod
     def empty(cls, batch: int, device) -> "Draft":
@@ -61,6 +67,7 @@ class RoundContext:
     rng: RowGenerators
     target_hidden: torch.Tensor | None = None  # [B, H] hidden state that produced history[b][-1]
     min_confidence: float = 0.0  # stop drafting a row after a token with draft probability below this
+    alternatives: int = 0  # A: runner-up tokens per draft position for greedy rows (tree.py); 0 = a chain
 
 
 class Proposer(ABC):
@@ -123,7 +130,7 @@ class DraftModelProposer(Proposer):
         any_sampled = bool(sampled.any())
         tokens, valid = self._draft_inputs()
         lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
-        drafts, probs = [], []
+        drafts, probs, alternatives = [], [], []
         for step in range(draft_len):
             logits = self._draft_forward(tokens, valid)  # [B, 1, V]
             if bool(torch.isnan(logits).any()):
@@ -138,6 +145,8 @@ class DraftModelProposer(Proposer):
                 token = torch.where(sampled, race_sample(q, ctx.rng.exponential(draw, q.shape[-1])), token)
                 probs.append(q)
             drafts.append(token)
+            if ctx.alternatives > 0:
+                alternatives.append(runner_ups(logits[:, 0], token, ctx.alternatives, ~sampled))
             if ctx.min_confidence > 0:
                 lens = self._stop_unconfident(lens, step, logits[:, 0], q, token, sampled, ctx.min_confidence)
                 if int(lens.max()) <= step + 1:  # every row has stopped: no further draft step
@@ -146,7 +155,8 @@ class DraftModelProposer(Proposer):
                 tokens, valid = token[:, None], torch.ones(batch, 1, dtype=torch.bool, device=self.device)
         self._fed_drafts = len(drafts) - 1
         self._fed_tokens = torch.stack(drafts[: self._fed_drafts], 1).tolist() if self._fed_drafts > 0 else []
-        return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None)
+        return Draft(torch.stack(drafts, 1), lens, torch.stack(probs, 1) if any_sampled else None,
+                     torch.stack(alternatives, 1) if alternatives else None)
 
     def _draft_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The first draft step's inputs: every row's pending tokens, left-padded."""
@@ -340,7 +350,12 @@ class LookupFirstProposer(Proposer):
             if rows:
                 index = torch.tensor(rows, device=device)
                 probs[index] = torch.nn.functional.one_hot(tokens[index], probs.shape[-1]).to(probs.dtype)
-        return Draft(tokens, lens, probs)
+        alternatives = None
+        if draft.alternatives is not None:  # lookup rows have no runner-ups
+            alternatives = draft.alternatives.new_full((len(found), width, draft.alternatives.shape[-1]), -1)
+            alternatives[:, : draft.alternatives.shape[1]] = draft.alternatives
+            alternatives[torch.tensor([bool(f) for f in found], device=device)] = -1
+        return Draft(tokens, lens, probs, alternatives)
 
     def commit(self, num_accepted, emitted):
         self.drafter.commit(num_accepted, emitted)

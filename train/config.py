@@ -156,6 +156,8 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1)
     stop_at_al: float | None = Field(None, gt=1.0)
     """Finish early once a periodic held-out evaluation reaches this acceptance length (re-tuning)."""
+    keep_best: bool = False
+    """Write the weights of the best held-out evaluation (periodic or final), not the last ones (re-tuning)."""
 
 
 class TrackingConfig(Section):

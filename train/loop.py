@@ -31,6 +31,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -65,6 +66,7 @@ class TrainerState:
     train_seconds: float = 0.0
     al_before: dict | None = None
     evals: list = field(default_factory=list)  # [{"step", "acceptance_length", ...}]
+    best: dict | None = None  # keep_best: the best periodic evaluation so far (its weights: BEST_WEIGHTS)
     last_loss: float | None = None
 
     def state_dict(self) -> dict:
@@ -130,6 +132,8 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
         if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < recipe.train.steps:
             if is_main:
                 evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
+                if recipe.train.keep_best:
+                    remember_if_best(drafter, state, out)
             accelerator.wait_for_everyone()
             if reached_goal(recipe, state, accelerator):
                 break
@@ -140,6 +144,8 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
     summary = None
     if is_main:
         al_after = evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
+        if recipe.train.keep_best:
+            al_after = restore_if_better(drafter, state, al_after, out)
         summary = training_summary(recipe, state, al_after, data, resumed)
         save_final(drafter, target, recipe, summary, out, lineage)
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -379,6 +385,33 @@ def evaluate(drafter, target, data, recipe, *, step, accelerator, state=None) ->
     return result
 
 
+BEST_WEIGHTS = "best-drafter.safetensors"
+
+
+def remember_if_best(drafter, state: TrainerState, out: Path) -> None:
+    """keep_best: snapshot the drafter's weights when the newest evaluation beats every earlier one.
+    Written before the checkpoint of the same step; a resumed run replays the same steps, so the
+    snapshot always belongs to `state.best` once the run has caught up."""
+    latest = state.evals[-1]
+    if state.best is not None and latest["acceptance_length"] <= state.best["acceptance_length"]:
+        return
+    partial = out / (BEST_WEIGHTS + ".partial")
+    safetensors.torch.save_model(drafter, str(partial))  # handles tied weights
+    os.replace(partial, out / BEST_WEIGHTS)
+    state.best = latest
+
+
+def restore_if_better(drafter, state: TrainerState, final: dict, out: Path) -> dict:
+    """keep_best: load the best periodic snapshot into the drafter when it beat the final evaluation;
+    returns the evaluation of the weights that will be written."""
+    if state.best is None or state.best["acceptance_length"] <= final["acceptance_length"]:
+        return final
+    safetensors.torch.load_model(drafter, str(out / BEST_WEIGHTS), device=str(next(drafter.parameters()).device))
+    tqdm.write(f"keeping the weights of step {state.best['step']} (held-out AL {state.best['acceptance_length']:.3f}"
+               f" against {final['acceptance_length']:.3f} at the end)", file=sys.stderr)
+    return dict(state.best)
+
+
 def save_checkpoint(accelerator, out: Path, step: int, keep: int) -> None:
     root = out / "checkpoints"
     final, scratch = root / f"step-{step:07d}", root / f".partial-step-{step:07d}"
@@ -462,6 +495,7 @@ def training_summary(recipe, state: TrainerState, al_after: dict, data: Training
         "final_loss": state.last_loss,
         "al_before": state.al_before,
         "al_after": al_after,
+        "kept_step": al_after.get("step", state.step),  # keep_best: the step whose weights were written
         "evals": state.evals,
         "data": data.source,
         "resumed": resumed,

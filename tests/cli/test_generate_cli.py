@@ -35,11 +35,12 @@ def test_streams_text_to_stdout_and_stats_to_stderr(model_dirs, capsys, drafter)
 
 def test_same_text_for_every_drafter(model_dirs, capsys):
     texts = []
-    for drafter in [[], ["--drafter", "ngram"], ["--drafter", str(model_dirs / "drafter")]]:
+    for drafter in [[], ["--drafter", "ngram"], ["--drafter", str(model_dirs / "drafter")],
+                    ["--drafter", "early-exit:2", "--draft-alternatives", "4"]]:
         main(["generate", "--target", str(model_dirs / "target"), "--prompt", "abcabc", "--max-new-tokens", "16",
               *drafter])
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] == texts[2]
+    assert texts[0] == texts[1] == texts[2] == texts[3]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -48,6 +49,7 @@ def test_same_text_for_every_drafter(model_dirs, capsys):
     (["--drafter", "early-exit:9"], "early-exit:N needs"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
+    (["--drafter", "ngram", "--draft-alternatives", "-1"], "draft alternatives must be >= 0"),
 ])
 def test_bad_input_is_one_line_and_exit_2(model_dirs, args, message):
     base = ["generate", "--target", str(model_dirs / "target"), "--prompt", "hi"]

@@ -106,3 +106,10 @@ def test_dynamic_draft_length_is_recorded_and_exact(target, prompts, models):
                       progress=False)
     assert report.data["settings"]["draft_confidence"] == 0.5
     assert report.data["exactness"]["passed"]
+
+
+def test_sibling_leaves_are_recorded_and_exact(target, prompts, models):
+    report = evaluate(target, str(models / "copy"), prompts, small(draft_lens=[2], draft_alternatives=2),
+                      progress=False)
+    assert report.data["settings"]["draft_alternatives"] == 2
+    assert report.data["exactness"]["passed"]

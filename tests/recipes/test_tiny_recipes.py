@@ -162,3 +162,32 @@ def test_finished_run_is_never_overwritten(tmp_path, capsys):
     message = bad_run(capsys, "tiny-medusa", f"output_dir={out}", "tracking.report_to=none")
     assert "already holds a finished run" in message
     assert (out / "drafter" / "config.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_keep_best_writes_the_weights_of_the_best_evaluation(keep_best, tmp_path, data_cache, monkeypatch):
+    """Held-out ALs scripted to peak at step 10 of 30: with train.keep_best the drafter written is the
+    one evaluated at step 10 (and the summary says so); without it, the last one."""
+    import draftsmith.train.loop as loop
+
+    scripted = iter([1.1, 2.0, 1.5, 1.2])  # steps 0, 10, 20 and the final 30
+    snapshots = []
+
+    def scripted_al(drafter, target, prompts, **_):
+        snapshots.append({k: v.detach().clone() for k, v in drafter.state_dict().items()})
+        return {"acceptance_length": next(scripted), "position_acceptance": []}
+
+    monkeypatch.setattr(loop, "acceptance_length", scripted_al)
+    out = tmp_path / "run"
+    recipe = tiny("tiny-draft-lm", out, data_cache, "train.steps=30", "train.eval_every=10",
+                  "train.checkpoint_every=10", "tracking.report_to=none", f"train.keep_best={keep_best}")
+    summary = train(recipe, progress=False)
+    assert len(snapshots) == 4
+    kept = 1 if keep_best else 3
+    assert summary["kept_step"] == (10 if keep_best else 30)
+    assert summary["al_after"]["acceptance_length"] == (2.0 if keep_best else 1.2)
+    saved = drafter_weights(out)
+    common = [k for k in saved if k in snapshots[kept]]
+    assert common
+    assert all(torch.equal(saved[k], snapshots[kept][k]) for k in common)
+    assert not all(torch.equal(saved[k], snapshots[4 - kept][k]) for k in common)  # steps 10 and 30 differ

@@ -93,9 +93,11 @@ def test_budget_inside_an_accepted_block(target, reference, max_new):
     assert result.finish_reasons == ["length"] * len(PROMPTS)
 
 
-def test_prefix_is_never_reencoded(target, random_drafter, monkeypatch):
-    """After prefill the target only ever sees [last, drafts] (<= D + 1 slots), and after every round its
-    cache holds exactly the context minus the newest token: rejected slots are rolled back, not re-encoded."""
+@pytest.mark.parametrize("alternatives", [0, 3])
+def test_prefix_is_never_reencoded(target, random_drafter, monkeypatch, alternatives):
+    """After prefill the target only ever sees [last, drafts] (<= D + 1 slots; with A sibling leaves per
+    draft position, D * A more), and after every round its cache holds exactly the context minus the
+    newest token: rejected slots are rolled back, not re-encoded (a leaf taken leaves holes behind)."""
     from draftsmith.speculative import generate as gen
 
     widths, lengths = [], []
@@ -104,18 +106,21 @@ def test_prefix_is_never_reencoded(target, random_drafter, monkeypatch):
                                             with_kwargs=True)
     original = gen._Run.accept
 
-    def spy(run, out, draft, hidden):
-        original(run, out, draft, hidden)
+    def spy(run, out, draft, hidden, path=None):
+        original(run, out, draft, hidden, path)
         if run.rows:
-            lengths.append((run.target_kv.cache.get_seq_length(), len(run.history[0]) - 1))
+            kv = run.target_kv
+            lengths.append((int(kv.lengths[0]), len(run.history[0]) - 1))
+            if path is None:  # a chain leaves no holes behind in a batch of one
+                assert kv.cache.get_seq_length() == int(kv.lengths[0])
 
     monkeypatch.setattr(gen._Run, "accept", spy)
     try:
-        result = decoder.generate([PROMPTS[2]], max_new_tokens=MAX_NEW, draft_len=4)
+        result = decoder.generate([PROMPTS[2]], max_new_tokens=MAX_NEW, draft_len=4, draft_alternatives=alternatives)
     finally:
         hook.remove()
     assert widths[0] == len(PROMPTS[2]) - 1  # the prefill
-    assert len(widths) == 1 + result.stats.rounds and max(widths[1:]) <= 5
+    assert len(widths) == 1 + result.stats.rounds and max(widths[1:]) <= 5 + 4 * alternatives
     assert lengths and all(cache == context for cache, context in lengths)
 
 

@@ -1,0 +1,121 @@
+"""Sibling leaves: a small draft tree verified in the same target pass as the chain (greedy rows).
+
+A model drafter's logits at draft position i rank more than the token it drafts there. With
+`alternatives = A`, position i also offers the drafter's next A candidates as leaves beside d_i: the
+tree's trunk is the chain d_1..d_D and every trunk node has A sibling leaves (Medusa's and EAGLE-2's
+top-k trees in their simplest shape: no extra draft steps, only extra slots in the target's pass). A
+leaf at depth i sits at the position d_i would have and attends to the context, d_1..d_{i-1} and
+itself. When the target rejects d_i, a leaf equal to the target's own token there is accepted in its
+place and the target's logits at that leaf give the bonus token: the round emits i + 1 tokens instead
+of i.
+
+Only greedy rows get leaves. A greedy row's output stays the target's greedy output whatever the
+leaves, since every token it emits is the target's argmax after the tokens before it. A sampled row
+verifies its chain with the usual min(1, p/q) test: several candidates per position would need
+multi-draft rejection sampling (SpecInfer), which draftsmith does not do.
+
+A round's target pass holds, per row, the slots
+
+    [last, d_1 .. d_D, the A leaves of depth 1, .., the A leaves of depth D]
+
+and `path` (per row, D + 1 slot indices) names the slots whose outputs produced the emitted tokens:
+the trunk up to the accepted prefix, then the accepted leaf, if any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.speculative.verify import VerifyOutput
+
+
+def runner_ups(
+    logits: torch.Tensor,  # [..., V] a drafter's logits at one draft position
+    drafted: torch.Tensor,  # [...] the token it drafted there
+    count: int,  # A
+    rows: torch.Tensor,  # [...] bool: positions that get leaves (greedy rows)
+) -> torch.Tensor:
+    """[..., A] the best-ranked tokens other than the drafted one (ties: lowest index first, like the
+    drafter's argmax); -1 where a row gets no leaves or a candidate has -inf logit (outside a draft
+    vocabulary)."""
+    top = logits.float().topk(count + 1, dim=-1, sorted=True)
+    # Stable sort by (value desc, index asc), so equal logits rank like argmax ranks them.
+    order = torch.argsort(top.indices, dim=-1, stable=True)
+    values, indices = top.values.gather(-1, order), top.indices.gather(-1, order)
+    order = torch.argsort(-values, dim=-1, stable=True)
+    values, indices = values.gather(-1, order), indices.gather(-1, order)
+    usable = (indices != drafted[..., None]) & torch.isfinite(values) & rows[..., None]
+    # The first `count` usable candidates, in rank order.
+    pick = torch.argsort((~usable).to(torch.int8), dim=-1, stable=True)[..., :count]
+    return torch.where(usable.gather(-1, pick), indices.gather(-1, pick), torch.full_like(pick, -1))
+
+
+@dataclass
+class Leaves:
+    tokens: torch.Tensor  # [B, D * A] int64, depth-major; 0 where there is no leaf
+    valid: torch.Tensor  # [B, D * A] bool
+    count: int  # A
+
+    @classmethod
+    def from_draft(cls, alternatives: torch.Tensor | None,  # [B, D, A] int64, -1 = none
+                   lens: torch.Tensor,  # [B] draft lengths
+                   greedy: torch.Tensor,  # [B] bool
+                   ) -> "Leaves | None":
+        """The leaves of a round's draft, or None when no row has any."""
+        if alternatives is None or alternatives.shape[-1] == 0:
+            return None
+        batch, depth, count = alternatives.shape
+        drafted = torch.arange(depth, device=lens.device)[None, :] < lens[:, None]  # [B, D]
+        valid = (alternatives >= 0) & drafted[..., None] & greedy[:, None, None]
+        if not bool(valid.any()):
+            return None
+        tokens = torch.where(valid, alternatives, torch.zeros_like(alternatives))
+        return cls(tokens.reshape(batch, depth * count), valid.reshape(batch, depth * count), count)
+
+    def structure(self, draft_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Depth of each of the pass's T = 1 + D + D*A slots ([T] int64: position offset from `last`)
+        and which slots each slot attends to among them ([T, T] bool)."""
+        device, count = self.tokens.device, self.count
+        trunk = torch.arange(draft_width + 1, device=device)
+        leaf_depth = torch.arange(1, draft_width + 1, device=device).repeat_interleave(count)  # [D * A]
+        depth = torch.cat([trunk, leaf_depth])
+        total = depth.shape[0]
+        sees = torch.zeros(total, total, dtype=torch.bool, device=device)
+        sees[: draft_width + 1, : draft_width + 1] = trunk[None, :] <= trunk[:, None]  # causal trunk
+        leaves = slice(draft_width + 1, total)
+        sees[leaves, : draft_width + 1] = trunk[None, :] < leaf_depth[:, None]  # last, d_1 .. d_{i-1}
+        sees[leaves, leaves] = torch.eye(len(leaf_depth), dtype=torch.bool, device=device)
+        return depth, sees
+
+
+def take_leaves(
+    out: VerifyOutput,  # the chain's verification
+    logits: torch.Tensor,  # [B, T, V] the target's logits at all slots of the pass
+    lens: torch.Tensor,  # [B] draft lengths
+    leaves: Leaves,
+) -> tuple[VerifyOutput, torch.Tensor, torch.Tensor]:
+    """Accept, in each greedy row whose chain was cut at depth n + 1, the leaf of that depth equal to the
+    target's token there, and take the bonus token from the target's logits at the leaf.
+
+    Returns the new verification, `path` ([B, D + 1] slot indices: entry j produced emitted token j)
+    and which rows took a leaf ([B] bool)."""
+    batch, width = out.tokens.shape  # width = D + 1
+    depth, count = width - 1, leaves.count
+    rows = torch.arange(batch, device=logits.device)
+    n = out.num_accepted
+    at = n.clamp(max=depth - 1)
+    wanted = out.tokens[rows, n]  # greedy rows: the target's argmax after the accepted prefix
+    candidates = leaves.tokens.view(batch, depth, count)[rows, at]  # [B, A]
+    match = leaves.valid.view(batch, depth, count)[rows, at] & (candidates == wanted[:, None])
+    hit = match.any(dim=1) & (n < lens)
+    slot = 1 + depth + at * count + match.long().argmax(dim=1)  # [B] the matching leaf's slot
+    path = torch.arange(width, device=logits.device).repeat(batch, 1)
+    tokens = out.tokens.clone()
+    if bool(hit.any()):
+        h = rows[hit]
+        path[h, n[h] + 1] = slot[h]
+        tokens[h, n[h] + 1] = logits[h, slot[h]].argmax(dim=-1)
+    accepted = n + hit.long()
+    return VerifyOutput(tokens=tokens, num_emitted=accepted + 1, num_accepted=accepted), path, hit
