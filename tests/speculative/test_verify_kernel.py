@@ -331,3 +331,16 @@ def test_select_verifier_without_gpu_or_triton(monkeypatch):
     assert select_verifier("cuda") is verify_native
     with pytest.raises(InvalidInputError, match="needs triton"):
         select_verifier("cuda", "triton")
+
+
+def test_sibling_leaves_with_the_fused_verifier(target):
+    """The leaves' extra slots widen the target's logits past the chain's D + 1: the kernel reads the
+    chain's part through its strides and must decide exactly what the reference decides."""
+    from draftsmith.speculative.generate import SpeculativeDecoder
+    from draftsmith.speculative.proposers import EarlyExitProposer
+
+    prompts = [[1, 72, 101, 108, 108, 111, 32, 119], [1, 50, 43, 50]]
+    runs = [SpeculativeDecoder(target, EarlyExitProposer(target, 2), verifier=mode).generate(
+        prompts, max_new_tokens=16, draft_len=3, draft_alternatives=3) for mode in ("native", "triton")]
+    assert runs[0].tokens == runs[1].tokens
+    assert runs[1].stats.leaf_accepts == runs[0].stats.leaf_accepts > 0
