@@ -50,7 +50,8 @@ def measure(target, spec, prompts, args, stops, alternatives=0):
     with torch.inference_mode():
         for begin in range(0, len(prompts), args.batch_size):
             result = decoder.generate(prompts[begin:begin + args.batch_size], max_new_tokens=args.max_new_tokens,
-                                      draft_len=args.draft_len, draft_alternatives=alternatives)
+                                      draft_len=args.draft_len, draft_alternatives=alternatives,
+                                      leaf_min_prob=args.leaf_min_prob)
             outputs += result.tokens
             stats = result.stats
             rounds += stats.rounds
@@ -58,7 +59,8 @@ def measure(target, spec, prompts, args, stops, alternatives=0):
             tokens += sum(k * n for k, n in enumerate(stats.emitted_hist))
             hist = stats.emitted_hist if hist is None else [a + b for a, b in zip(hist, stats.emitted_hist)]
     seconds = time.perf_counter() - start
-    name = spec if not alternatives else f"{spec} A={alternatives}"
+    name = spec if not alternatives else f"{spec} A={alternatives}" + (
+        f" m={args.leaf_min_prob:g}" if args.leaf_min_prob else "")
     row = {"drafter": name, "alternatives": alternatives, "acceptance_length": tokens / max(rounds, 1),
            "rounds": rounds, "leaf_share": leaves / max(rounds, 1), "emitted_hist": hist, "seconds": seconds}
     if hasattr(proposer, "lookup_rounds"):  # a lookup combination: how often each side drafted
@@ -76,6 +78,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--alternatives", default="0",
                         help="comma-separated runner-up counts per draft position (0 = chain drafting)")
+    parser.add_argument("--leaf-min-prob", type=float, default=0.0,
+                        help="with alternatives: verify a leaf only when the drafter's estimate that it is taken is at least this")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 

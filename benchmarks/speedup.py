@@ -1,7 +1,8 @@
 """Speculative decoding speed on the embedded target, side by side in one run.
 
     python benchmarks/speedup.py [--drafter early-exit:10 | DIR | ngram] [--prompts N] [--reps 3]
-                                 [--draft-lens 2,4] [--confidences 0,0.4] [--alternatives 0,3] [--json out.json]
+                                 [--draft-lens 2,4] [--confidences 0,0.4] [--alternatives 0,3]
+                                 [--leaf-min-probs 0,0.1] [--json out.json]
 
 Batch 1, greedy, 128 new tokens, chat prompts from ../shared/data/eval_prompts/vicuna_bench.jsonl spread
 over its categories. Each system decodes every prompt; a repetition is one pass over all prompts, and the
@@ -16,8 +17,9 @@ table reports the median over repetitions of total tokens / total seconds:
 - `draftsmith D=k [c=x]`: draftsmith's runtime with the same drafter, D and confidence stop
   (`draft_confidence=x`), hence the same drafts and the same acceptance: the ratio of the two is the
   runtimes' own overhead;
-- `draftsmith D=k [c=x] A=a`: with `--alternatives`, draftsmith also verifying the drafter's a runner-up
-  tokens per draft position as sibling leaves in the same target pass (speculative/tree.py); Hugging
+- `draftsmith D=k [c=x] A=a [m=p]`: with `--alternatives`, draftsmith also verifying the drafter's a
+  runner-up tokens per draft position as sibling leaves in the same target pass (speculative/tree.py),
+  with `--leaf-min-probs` only those the drafter gives an estimated chance >= p of being taken; Hugging
   Face has no counterpart, so these rows have no hf twin.
 
 Hugging Face assisted generation needs a draft *model*; for Medusa heads, EAGLE drafters or n-gram lookup its rows are
@@ -89,12 +91,12 @@ def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="c
     return outputs, tokens / elapsed, tokens / max(passes, 1)
 
 
-def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, alternatives=0):
+def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, alternatives=0, min_prob=0.0):
     outputs, tokens, rounds = [], 0, 0
     start = time.perf_counter()
     for ids in prompts:
         result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence,
-                                  draft_alternatives=alternatives)
+                                  draft_alternatives=alternatives, leaf_min_prob=min_prob)
         outputs.append(result.tokens[0])
         tokens += result.stats.new_tokens
         rounds += result.stats.rounds
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
                         help="comma list of confidence stops per D (0 = a fixed D); each gives an hf and a draftsmith row")
     parser.add_argument("--alternatives", default="0",
                         help="comma list of runner-up counts per draft position (0 = chain); draftsmith rows only")
+    parser.add_argument("--leaf-min-probs", default="0",
+                        help="comma list of leaf_min_prob values for the rows with alternatives")
     parser.add_argument("--no-heuristic", action="store_true", help="leave out HF's heuristic schedule")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
@@ -134,9 +138,10 @@ def main(argv=None) -> int:
     plain_decoder = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     settings = [(int(d), float(c)) for d in args.draft_lens.split(",") for c in args.confidences.split(",")]
     alternatives = [int(a) for a in args.alternatives.split(",")]
+    min_probs = [float(m) for m in args.leaf_min_probs.split(",")]
 
-    def label(d, c, a=0):
-        return f"D={d}" + (f" c={c:g}" if c else "") + (f" A={a}" if a else "")
+    def label(d, c, a=0, m=0.0):
+        return f"D={d}" + (f" c={c:g}" if c else "") + (f" A={a}" if a else "") + (f" m={m:g}" if a and m else "")
 
     systems = {"hf generate": lambda: time_hf(target.model, prompts, args.max_new_tokens),
                "draftsmith plain": lambda: time_draftsmith(plain_decoder, prompts, args.max_new_tokens, 0)}
@@ -145,8 +150,9 @@ def main(argv=None) -> int:
             systems[f"hf assisted {label(d, c)}"] = lambda d=d, c=c: time_hf(
                 target.model, prompts, args.max_new_tokens, assistant, d, confidence=c)
         for a in alternatives:
-            systems[f"draftsmith {label(d, c, a)}"] = lambda d=d, c=c, a=a: time_draftsmith(
-                decoder, prompts, args.max_new_tokens, d, c, a)
+            for m in min_probs if a else [0.0]:
+                systems[f"draftsmith {label(d, c, a, m)}"] = lambda d=d, c=c, a=a, m=m: time_draftsmith(
+                    decoder, prompts, args.max_new_tokens, d, c, a, m)
     if assistant is not None and not args.no_heuristic:
         systems["hf assisted heuristic"] = lambda: time_hf(target.model, prompts, args.max_new_tokens, assistant,
                                                            schedule="heuristic")

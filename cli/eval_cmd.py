@@ -22,6 +22,7 @@ _SETTING_FLAGS = {
     "fidelity_contexts": "fidelity_contexts", "fidelity_samples": "fidelity_samples",
     "fidelity_window": "fidelity_window", "retune_threshold": "retune_threshold",
     "draft_confidence": "draft_confidence", "draft_alternatives": "draft_alternatives",
+    "leaf_min_prob": "leaf_min_prob",
     "prompts": "prompts_path", "prompt_column": "prompt_column", "drafter": "drafter",
 }
 _LISTS = {"modes": str, "draft_lens": int, "batch_sizes": int}
@@ -45,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--draft-alternatives", type=int,
                    help="greedy modes: also verify the drafter's A runner-up tokens per draft position, as "
                         "sibling leaves in the same target pass (default 0 = chain drafting; still exact)")
+    p.add_argument("--leaf-min-prob", type=float,
+                   help="with --draft-alternatives: verify a leaf only when the drafter's estimate that it is "
+                        "taken (its probability times the chain's before it) is at least this (default 0)")
     p.add_argument("--batch-sizes", help="comma list of batch sizes for the speed figures (default 1)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--limit", type=int, help="evaluate the first N prompts only")

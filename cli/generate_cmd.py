@@ -31,6 +31,9 @@ def register(sub) -> None:
     p.add_argument("--draft-alternatives", type=int, default=0,
                    help="greedy: also verify the drafter's A runner-up tokens per draft position as sibling "
                         "leaves in the same target pass (a small draft tree; 0 = a chain; still exact)")
+    p.add_argument("--leaf-min-prob", type=float, default=0.0,
+                   help="with --draft-alternatives: verify a leaf only when the drafter's estimate that it is "
+                        "taken (its probability times the chain's before it) is at least this")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     stream = TextStream(target.tokenizer)
     result = decoder.generate([prompt], sampling, max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
                               draft_confidence=args.draft_confidence, draft_alternatives=args.draft_alternatives,
-                              on_emit=lambda row, ids: stream.push(ids))
+                              leaf_min_prob=args.leaf_min_prob, on_emit=lambda row, ids: stream.push(ids))
     stream.close()
     print(format_stats(result.stats, proposer is not None), file=sys.stderr)
     return 0

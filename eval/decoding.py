@@ -97,7 +97,8 @@ def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices:
     result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices],
                               max_new_tokens=settings.max_new_tokens, draft_len=draft_len,
                               draft_confidence=settings.draft_confidence,
-                              draft_alternatives=settings.draft_alternatives, on_emit=on_emit)
+                              draft_alternatives=settings.draft_alternatives,
+                              leaf_min_prob=settings.leaf_min_prob, on_emit=on_emit)
     own = result.stats if len(prompts) == 1 else None
     traces = [Trace(i, tokens, finish, emitted, own)
               for i, tokens, finish, emitted in zip(indices, result.tokens, result.finish_reasons, emissions)]

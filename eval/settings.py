@@ -26,8 +26,8 @@ TIE_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.05}
 MIN_BOOTSTRAP = 1000
 
 # The settings a baseline comparison needs to be equal: they decide which tokens are decoded and how.
-COMPARED_SETTINGS = ("modes", "draft_lens", "draft_confidence", "draft_alternatives", "max_new_tokens", "chat", "seed",
-                     "limit")
+COMPARED_SETTINGS = ("modes", "draft_lens", "draft_confidence", "draft_alternatives", "leaf_min_prob", "max_new_tokens",
+                     "chat", "seed", "limit")
 
 
 @dataclass
@@ -38,6 +38,7 @@ class EvalSettings:
     draft_lens: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # D values of the sweep, each >= 1
     draft_confidence: float = 0.0  # > 0: dynamic draft length (see speculative/proposers.py); D is the most
     draft_alternatives: int = 0  # A > 0: greedy rows also verify the drafter's A runner-ups per position (tree.py)
+    leaf_min_prob: float = 0.0  # ... each only when the drafter's estimate that it is taken is at least this
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # batch sizes of the speed figures, each >= 1
     max_new_tokens: int = 128  # generation budget per prompt
     limit: int | None = None  # first N prompts only; None = all
@@ -72,6 +73,7 @@ class EvalSettings:
         checks = [
             (0 <= self.draft_confidence < 1, f"--draft-confidence must lie in [0, 1), got {self.draft_confidence}"),
             (self.draft_alternatives >= 0, f"--draft-alternatives must be >= 0, got {self.draft_alternatives}"),
+            (0 <= self.leaf_min_prob < 1, f"--leaf-min-prob must lie in [0, 1), got {self.leaf_min_prob}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (self.limit is None or self.limit >= 1, f"--limit must be >= 1, got {self.limit}"),
             (self.bootstrap >= MIN_BOOTSTRAP, f"--bootstrap needs >= {MIN_BOOTSTRAP} resamples, got {self.bootstrap}"),

@@ -173,6 +173,7 @@ class SpeculativeDecoder:
         draft_len: int = 4,
         draft_confidence: float = 0.0,
         draft_alternatives: int = 0,
+        leaf_min_prob: float = 0.0,
         on_emit: Callable[[int, list[int]], None] | None = None,
     ) -> GenerationResult:
         """Decode every prompt; `on_emit(prompt_index, new_ids)` streams tokens as they are accepted.
@@ -181,13 +182,17 @@ class SpeculativeDecoder:
         probabilities stops a row's draft early, after the first token it gives less than that
         probability (see proposers.py). With `draft_alternatives` = A > 0 a drafter with logits also
         offers its A runner-ups at each draft position of greedy rows, verified as a tree in the same
-        target pass (tree.py). Output is exact either way."""
+        target pass (tree.py); with `leaf_min_prob` > 0 only those its own probabilities give at
+        least that chance of being taken. Output is exact either way."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         self._validate(prompts, params, max_new_tokens, draft_len, draft_confidence)
         if draft_alternatives < 0:
             raise InvalidInputError(f"draft alternatives must be >= 0, got {draft_alternatives}")
+        if not 0.0 <= leaf_min_prob < 1.0:
+            raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {leaf_min_prob}")
         draft_len = draft_len if self.proposer is not None else 0
-        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence, draft_alternatives)
+        run = _Run(self, prompts, params, max_new_tokens, draft_len, on_emit, draft_confidence, draft_alternatives,
+                   leaf_min_prob)
         with self.fast_linears():
             run.prefill()
             while run.active:
@@ -230,10 +235,11 @@ class _Run:
     """The state of one `generate` call: active rows, their caches, outputs and statistics."""
 
     def __init__(self, decoder: SpeculativeDecoder, prompts, params, max_new_tokens, draft_len, on_emit,
-                 draft_confidence: float, draft_alternatives: int = 0):
+                 draft_confidence: float, draft_alternatives: int = 0, leaf_min_prob: float = 0.0):
         self.d = decoder
         self.draft_confidence = draft_confidence
         self.draft_alternatives = draft_alternatives
+        self.leaf_min_prob = leaf_min_prob
         self.leaves: Leaves | None = None  # this round's sibling leaves (tree.py)
         self.start = time.perf_counter()
         self.max_new_tokens = max_new_tokens
@@ -293,7 +299,7 @@ class _Run:
         if proposer is None or max(max_lens) <= 0 or (wants_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
         ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.target_hidden, self.draft_confidence,
-                           self.draft_alternatives)
+                           self.draft_alternatives, self.leaf_min_prob)
         return proposer.propose(ctx, self.draft_len)
 
     def score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:

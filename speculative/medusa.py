@@ -97,6 +97,10 @@ class MedusaProposer(Proposer):
             lens = torch.minimum(lens, (run + 1).clamp(max=width))
         alternatives = None
         if ctx.alternatives > 0:
-            greedy = ctx.sampling.greedy[:, None].expand(-1, width)
-            alternatives = runner_ups(logits, tokens, ctx.alternatives, greedy)
+            greedy, reach, columns = ctx.sampling.greedy, None, []
+            for k in range(width):  # head k's estimate builds on heads 0..k-1's
+                leaves, reach = runner_ups(logits[:, k], tokens[:, k], ctx.alternatives, greedy, reach,
+                                           ctx.leaf_min_prob)
+                columns.append(leaves)
+            alternatives = torch.stack(columns, dim=1)
         return Draft(tokens, lens, None, alternatives)

@@ -17,7 +17,8 @@ Proposers without probabilities (prompt lookup) ignore it.
 
 `RoundContext.alternatives` = A asks a drafter with logits for its A runner-up tokens at every draft
 position of greedy rows (`Draft.alternatives`), which the runtime verifies as sibling leaves of the
-chain in the same target pass (tree.py). Prompt lookup has no runner-ups and ignores it.
+chain in the same target pass (tree.py); with `leaf_min_prob` only those the drafter's own
+probabilities give at least that chance of being taken. Prompt lookup has no runner-ups and ignores it.
 
 `RoundContext.target_hidden` carries the target's last hidden state at the position that produced the
 newest token, for drafters that read it (Medusa-style heads); a proposer that wants it sets
@@ -68,6 +69,7 @@ class RoundContext:
     target_hidden: torch.Tensor | None = None  # [B, H] hidden state that produced history[b][-1]
     min_confidence: float = 0.0  # stop drafting a row after a token with draft probability below this
     alternatives: int = 0  # A: runner-up tokens per draft position for greedy rows (tree.py); 0 = a chain
+    leaf_min_prob: float = 0.0  # ... each only when the drafter's estimate that it is taken is at least this
 
 
 class Proposer(ABC):
@@ -130,7 +132,7 @@ class DraftModelProposer(Proposer):
         any_sampled = bool(sampled.any())
         tokens, valid = self._draft_inputs()
         lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
-        drafts, probs, alternatives = [], [], []
+        drafts, probs, alternatives, reach = [], [], [], None
         for step in range(draft_len):
             logits = self._draft_forward(tokens, valid)  # [B, 1, V]
             if bool(torch.isnan(logits).any()):
@@ -146,7 +148,8 @@ class DraftModelProposer(Proposer):
                 probs.append(q)
             drafts.append(token)
             if ctx.alternatives > 0:
-                alternatives.append(runner_ups(logits[:, 0], token, ctx.alternatives, ~sampled))
+                leaves, reach = runner_ups(logits[:, 0], token, ctx.alternatives, ~sampled, reach, ctx.leaf_min_prob)
+                alternatives.append(leaves)
             if ctx.min_confidence > 0:
                 lens = self._stop_unconfident(lens, step, logits[:, 0], q, token, sampled, ctx.min_confidence)
                 if int(lens.max()) <= step + 1:  # every row has stopped: no further draft step

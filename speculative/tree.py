@@ -36,20 +36,32 @@ def runner_ups(
     drafted: torch.Tensor,  # [...] the token it drafted there
     count: int,  # A
     rows: torch.Tensor,  # [...] bool: positions that get leaves (greedy rows)
-) -> torch.Tensor:
-    """[..., A] the best-ranked tokens other than the drafted one (ties: lowest index first, like the
-    drafter's argmax); -1 where a row gets no leaves or a candidate has -inf logit (outside a draft
-    vocabulary)."""
+    reach: torch.Tensor | None = None,  # [...] the drafter's estimate that the chain gets this far
+    min_prob: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leaves of one draft position: [..., A] the best-ranked tokens other than the drafted one
+    (ties: lowest index first, like the drafter's argmax), -1 where a row gets no leaves, a candidate
+    has -inf logit (outside a draft vocabulary) or its estimated acceptance, reach * q(candidate), is
+    below `min_prob`; and the reach of the next position, reach * q(drafted token).
+
+    The estimate is the drafter's own (EAGLE-2 ranks its tree's nodes the same way): with a trained
+    drafter q roughly tracks the target, so `min_prob` spends verification slots only on leaves likely
+    to be taken, which matters where each slot costs (a CPU); on a GPU a pass over a few more slots is
+    nearly free and 0 keeps them all."""
+    probs = logits.float().softmax(dim=-1)
+    reach = torch.ones_like(probs[..., 0]) if reach is None else reach
     top = logits.float().topk(count + 1, dim=-1, sorted=True)
     # Stable sort by (value desc, index asc), so equal logits rank like argmax ranks them.
     order = torch.argsort(top.indices, dim=-1, stable=True)
     values, indices = top.values.gather(-1, order), top.indices.gather(-1, order)
     order = torch.argsort(-values, dim=-1, stable=True)
     values, indices = values.gather(-1, order), indices.gather(-1, order)
-    usable = (indices != drafted[..., None]) & torch.isfinite(values) & rows[..., None]
+    likely = reach[..., None] * probs.gather(-1, indices) >= min_prob
+    usable = (indices != drafted[..., None]) & torch.isfinite(values) & rows[..., None] & likely
     # The first `count` usable candidates, in rank order.
     pick = torch.argsort((~usable).to(torch.int8), dim=-1, stable=True)[..., :count]
-    return torch.where(usable.gather(-1, pick), indices.gather(-1, pick), torch.full_like(pick, -1))
+    leaves = torch.where(usable.gather(-1, pick), indices.gather(-1, pick), torch.full_like(pick, -1))
+    return leaves, reach * probs.gather(-1, drafted[..., None])[..., 0]
 
 
 @dataclass

@@ -36,7 +36,7 @@ def test_streams_text_to_stdout_and_stats_to_stderr(model_dirs, capsys, drafter)
 def test_same_text_for_every_drafter(model_dirs, capsys):
     texts = []
     for drafter in [[], ["--drafter", "ngram"], ["--drafter", str(model_dirs / "drafter")],
-                    ["--drafter", "early-exit:2", "--draft-alternatives", "4"]]:
+                    ["--drafter", "early-exit:2", "--draft-alternatives", "4", "--leaf-min-prob", "0.02"]]:
         main(["generate", "--target", str(model_dirs / "target"), "--prompt", "abcabc", "--max-new-tokens", "16",
               *drafter])
         texts.append(capsys.readouterr().out)
@@ -50,6 +50,7 @@ def test_same_text_for_every_drafter(model_dirs, capsys):
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["--drafter", "ngram", "--draft-alternatives", "-1"], "draft alternatives must be >= 0"),
+    (["--drafter", "ngram", "--draft-alternatives", "2", "--leaf-min-prob", "1.5"], "leaf min prob must lie in [0, 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(model_dirs, args, message):
     base = ["generate", "--target", str(model_dirs / "target"), "--prompt", "hi"]

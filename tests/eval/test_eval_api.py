@@ -109,7 +109,8 @@ def test_dynamic_draft_length_is_recorded_and_exact(target, prompts, models):
 
 
 def test_sibling_leaves_are_recorded_and_exact(target, prompts, models):
-    report = evaluate(target, str(models / "copy"), prompts, small(draft_lens=[2], draft_alternatives=2),
-                      progress=False)
+    report = evaluate(target, str(models / "copy"), prompts,
+                      small(draft_lens=[2], draft_alternatives=2, leaf_min_prob=0.01), progress=False)
     assert report.data["settings"]["draft_alternatives"] == 2
+    assert report.data["settings"]["leaf_min_prob"] == 0.01
     assert report.data["exactness"]["passed"]

@@ -61,13 +61,13 @@ def test_greedy_with_leaves_equals_target_generate(kind, draft_len, target, rand
                                                    continuations):
     reference = [continuations[tuple(p)][:MAX_NEW] for p in PROMPTS]
     results = []
-    for alternatives in (0, 3):
+    for alternatives, min_prob in [(0, 0.0), (3, 0.0), (3, 0.05)]:
         decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter))
         result = decoder.generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len,
-                                  draft_alternatives=alternatives)
+                                  draft_alternatives=alternatives, leaf_min_prob=min_prob)
         assert result.tokens == reference
         results.append(result.stats)
-    chain, tree = results
+    chain, tree, _ = results
     if kind == "ngram":  # no logits, no runner-ups: the very same rounds
         assert tree.leaf_accepts == 0 and tree.rounds == chain.rounds
     elif kind == "early-exit":  # its runner-ups often hold the target's token (a random drafter's do not)
@@ -164,8 +164,30 @@ def test_runner_ups_rank_like_argmax_and_skip_what_cannot_be_leaves():
                            [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]])
     drafted = logits.argmax(dim=-1)  # [1, 0, 0]: lowest index on ties
     rows = torch.tensor([True, True, False])
-    got = runner_ups(logits, drafted, 3, rows)
-    assert got.tolist() == [[2, 5, 3], [1, 2, -1], [-1, -1, -1]]
+    leaves, reach = runner_ups(logits, drafted, 3, rows)
+    assert leaves.tolist() == [[2, 5, 3], [1, 2, -1], [-1, -1, -1]]
+    probs = logits.softmax(dim=-1)
+    torch.testing.assert_close(reach, probs[torch.arange(3), drafted])
+
+    # With min_prob a leaf needs reach * q(leaf) >= min_prob: in row 0, q = 0.40 / 0.15 / 0.05 for tokens
+    # 2 / 5 / 3; in row 1 (reach 0.5), 1/3 each, so 0.17.
+    before = torch.tensor([1.0, 0.5, 1.0])
+    leaves, reach = runner_ups(logits, drafted, 3, rows, before, min_prob=0.1)
+    assert leaves.tolist() == [[2, 5, -1], [1, 2, -1], [-1, -1, -1]]
+    torch.testing.assert_close(reach, before * probs[torch.arange(3), drafted])
+    leaves, _ = runner_ups(logits, drafted, 3, rows, before, min_prob=0.2)
+    assert leaves.tolist() == [[2, -1, -1], [-1, -1, -1], [-1, -1, -1]]
+
+
+@pytest.mark.parametrize("kind", ["early-exit", "medusa"])
+def test_leaf_min_prob_near_one_leaves_the_chain_alone(kind, target, random_drafter, eagle_drafter, continuations):
+    runs = [SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter)).generate(
+        PROMPTS, max_new_tokens=MAX_NEW, draft_len=3, draft_alternatives=a, leaf_min_prob=m) for a, m in
+        [(0, 0.0), (3, 0.999), (3, 0.0)]]
+    assert runs[0].tokens == runs[1].tokens == runs[2].tokens == [continuations[tuple(p)][:MAX_NEW] for p in PROMPTS]
+    assert runs[1].stats.leaf_accepts == 0 and runs[1].stats.rounds == runs[0].stats.rounds
+    if kind == "early-exit":
+        assert runs[2].stats.leaf_accepts > 0
 
 
 def test_leaf_slots_sit_at_their_depth_and_see_only_their_ancestors():
