@@ -33,6 +33,7 @@ def per_prompt_records(spec_pass: Pass, ids: list[str], categories: list[str]) -
             "emitted_hist": list(s.emitted_hist),
             "offered": list(s.offered),
             "accepted": list(s.accepted),
+            "leaf_accepts": s.leaf_accepts,
             "new_tokens": s.new_tokens,
             "finish": trace.finish,
             "output_sha": trace.output_sha(),
@@ -60,6 +61,8 @@ def summarize(records: list[dict], settings: EvalSettings, seed: int) -> dict:
         "predicted_al": predicted_al(rates, draft_len),
         "emitted_hist": hist,  # [D + 2]: rounds that emitted k tokens, k = 0 .. D + 1 (k = 0 never happens)
         "emitted_share": [n / max(sum(hist), 1) for n in hist],
+        # --draft-alternatives: share of rounds in which a sibling leaf replaced a rejected draft token
+        "leaf_share": sum(r.get("leaf_accepts", 0) for r in records) / max(int(rounds.sum()), 1),
         "positions": positions,
         "by_category": by_category(records, settings, seed),
     }

@@ -42,6 +42,10 @@ def _acceptance(r: dict, s: dict) -> list[str]:
         hist = " ".join(str(n) for n in a["emitted_hist"][1:])
         out.append(f"| {a['mode']} | {a['draft_len']} | {a['al']:.3f} | {_ci(a['al_ci'])} | {a['predicted_al']:.3f} "
                    f"| {rates} | {a['rounds']} | {hist} |")
+    leaves = [a for a in r["acceptance"] if a.get("leaf_share")]
+    if leaves:
+        out += [""] + [f"Sibling leaves ({a['mode']}, D={a['draft_len']}): a leaf replaced a rejected draft token in "
+                       f"{a['leaf_share']:.0%} of the rounds." for a in leaves]
     categories = [(a, name, c) for a in r["acceptance"] for name, c in a["by_category"].items()]
     if categories:
         out += ["", "By category:", "", f"| mode | D | category | prompts | AL | {ci} |", "|---|---|---|---|---|---|"]

@@ -109,8 +109,14 @@ def test_dynamic_draft_length_is_recorded_and_exact(target, prompts, models):
 
 
 def test_sibling_leaves_are_recorded_and_exact(target, prompts, models):
-    report = evaluate(target, str(models / "copy"), prompts,
-                      small(draft_lens=[2], draft_alternatives=2, leaf_min_prob=0.01), progress=False)
-    assert report.data["settings"]["draft_alternatives"] == 2
+    report = evaluate(target, "early-exit:2", prompts,
+                      small(draft_lens=[2], draft_alternatives=4, leaf_min_prob=0.01), progress=False)
+    assert report.data["settings"]["draft_alternatives"] == 4
     assert report.data["settings"]["leaf_min_prob"] == 0.01
+    acceptance = report.data["acceptance"][0]
+    taken = sum(r["leaf_accepts"] for r in report.data["per_prompt"])
+    assert taken > 0 and acceptance["leaf_share"] == taken / acceptance["rounds"]
+    from draftsmith.eval import markdown
+
+    assert "Sibling leaves (greedy, D=2)" in markdown.render(report.data, {})
     assert report.data["exactness"]["passed"]
