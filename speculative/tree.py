@@ -16,8 +16,9 @@ multi-draft rejection sampling (SpecInfer), which draftsmith does not do.
 
 A round's target pass holds, per row, the slots
 
-    [last, d_1 .. d_D, the A leaves of depth 1, .., the A leaves of depth D]
+    [last, d_1 .. d_D, the leaves of depth 1, .., the leaves of depth D]
 
+(up to A per depth; a leaf no row of the batch has takes no slot)
 and `path` (per row, D + 1 slot indices) names the slots whose outputs produced the emitted tokens:
 the trunk up to the accepted prefix, then the accepted leaf, if any.
 """
@@ -66,39 +67,41 @@ def runner_ups(
 
 @dataclass
 class Leaves:
-    tokens: torch.Tensor  # [B, D * A] int64, depth-major; 0 where there is no leaf
-    valid: torch.Tensor  # [B, D * A] bool
-    count: int  # A
+    tokens: torch.Tensor  # [B, L] int64, ordered by depth; 0 where a row has no leaf
+    valid: torch.Tensor  # [B, L] bool
+    depth: torch.Tensor  # [L] int64 in 1..D: the draft position each leaf stands beside
 
     @classmethod
     def from_draft(cls, alternatives: torch.Tensor | None,  # [B, D, A] int64, -1 = none
                    lens: torch.Tensor,  # [B] draft lengths
                    greedy: torch.Tensor,  # [B] bool
                    ) -> "Leaves | None":
-        """The leaves of a round's draft, or None when no row has any."""
+        """The leaves of a round's draft, or None when no row has any. A (depth, rank) that no row uses
+        gets no slot: every slot of the target's pass costs time (on a CPU, about as much as 7% of a
+        plain step)."""
         if alternatives is None or alternatives.shape[-1] == 0:
             return None
-        batch, depth, count = alternatives.shape
-        drafted = torch.arange(depth, device=lens.device)[None, :] < lens[:, None]  # [B, D]
-        valid = (alternatives >= 0) & drafted[..., None] & greedy[:, None, None]
-        if not bool(valid.any()):
+        batch, width, count = alternatives.shape
+        drafted = torch.arange(width, device=lens.device)[None, :] < lens[:, None]  # [B, D]
+        valid = ((alternatives >= 0) & drafted[..., None] & greedy[:, None, None]).reshape(batch, width * count)
+        used = valid.any(dim=0)  # [D * A]
+        if not bool(used.any()):
             return None
-        tokens = torch.where(valid, alternatives, torch.zeros_like(alternatives))
-        return cls(tokens.reshape(batch, depth * count), valid.reshape(batch, depth * count), count)
+        tokens = torch.where(valid, alternatives.reshape(batch, width * count), 0)
+        depth = torch.arange(1, width + 1, device=lens.device).repeat_interleave(count)
+        return cls(tokens[:, used], valid[:, used], depth[used])
 
     def structure(self, draft_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Depth of each of the pass's T = 1 + D + D*A slots ([T] int64: position offset from `last`)
+        """Depth of each of the pass's T = 1 + D + L slots ([T] int64: position offset from `last`)
         and which slots each slot attends to among them ([T, T] bool)."""
-        device, count = self.tokens.device, self.count
-        trunk = torch.arange(draft_width + 1, device=device)
-        leaf_depth = torch.arange(1, draft_width + 1, device=device).repeat_interleave(count)  # [D * A]
-        depth = torch.cat([trunk, leaf_depth])
+        trunk = torch.arange(draft_width + 1, device=self.depth.device)
+        depth = torch.cat([trunk, self.depth])
         total = depth.shape[0]
-        sees = torch.zeros(total, total, dtype=torch.bool, device=device)
+        sees = torch.zeros(total, total, dtype=torch.bool, device=depth.device)
         sees[: draft_width + 1, : draft_width + 1] = trunk[None, :] <= trunk[:, None]  # causal trunk
         leaves = slice(draft_width + 1, total)
-        sees[leaves, : draft_width + 1] = trunk[None, :] < leaf_depth[:, None]  # last, d_1 .. d_{i-1}
-        sees[leaves, leaves] = torch.eye(len(leaf_depth), dtype=torch.bool, device=device)
+        sees[leaves, : draft_width + 1] = trunk[None, :] < self.depth[:, None]  # last, d_1 .. d_{i-1}
+        sees[leaves, leaves] = torch.eye(len(self.depth), dtype=torch.bool, device=depth.device)
         return depth, sees
 
 
@@ -114,15 +117,12 @@ def take_leaves(
     Returns the new verification, `path` ([B, D + 1] slot indices: entry j produced emitted token j)
     and which rows took a leaf ([B] bool)."""
     batch, width = out.tokens.shape  # width = D + 1
-    depth, count = width - 1, leaves.count
     rows = torch.arange(batch, device=logits.device)
     n = out.num_accepted
-    at = n.clamp(max=depth - 1)
     wanted = out.tokens[rows, n]  # greedy rows: the target's argmax after the accepted prefix
-    candidates = leaves.tokens.view(batch, depth, count)[rows, at]  # [B, A]
-    match = leaves.valid.view(batch, depth, count)[rows, at] & (candidates == wanted[:, None])
+    match = leaves.valid & (leaves.depth[None, :] == n[:, None] + 1) & (leaves.tokens == wanted[:, None])  # [B, L]
     hit = match.any(dim=1) & (n < lens)
-    slot = 1 + depth + at * count + match.long().argmax(dim=1)  # [B] the matching leaf's slot
+    slot = width + match.long().argmax(dim=1)  # [B] the matching leaf's slot (leaves follow the trunk)
     path = torch.arange(width, device=logits.device).repeat(batch, 1)
     tokens = out.tokens.clone()
     if bool(hit.any()):

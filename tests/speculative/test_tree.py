@@ -77,7 +77,7 @@ def test_greedy_with_leaves_equals_target_generate(kind, draft_len, target, rand
 
 class Oracle(Proposer):
     """Knows each prompt's greedy continuation. Each round it drafts the true tokens up to a depth that
-    varies by round, then a wrong token whose second runner-up (after a wrong first) is the true one.
+    varies by round and row, then a wrong token whose second runner-up (after a wrong first) is the true one.
     Records the target states it is handed."""
 
     name = "oracle"
@@ -100,11 +100,11 @@ class Oracle(Proposer):
 
     def propose(self, ctx, draft_len):
         self.round += 1
-        cut = self.round % draft_len  # the 0-based depth of the wrong token
         batch = len(ctx.history)
         tokens = torch.zeros(batch, draft_len, dtype=torch.int64)
         alternatives = torch.full((batch, draft_len, 2), -1, dtype=torch.int64)
         for b, history in enumerate(ctx.history):
+            cut = (self.round + self.index[b]) % draft_len  # the 0-based depth of the wrong token, per row
             truth = self.rows[b][len(history): len(history) + draft_len]
             assert self.rows[b][: len(history)] == history
             tokens[b] = torch.tensor(truth)
@@ -191,22 +191,24 @@ def test_leaf_min_prob_near_one_leaves_the_chain_alone(kind, target, random_draf
 
 
 def test_leaf_slots_sit_at_their_depth_and_see_only_their_ancestors():
-    alternatives = torch.tensor([[[7, -1], [8, 9]]])  # D = 2, A = 2
-    leaves = Leaves.from_draft(alternatives, torch.tensor([2]), torch.tensor([True]))
-    assert leaves.valid.tolist() == [[True, False, True, True]]
+    alternatives = torch.tensor([[[7, -1], [8, 9]],  # D = 2, A = 2, two rows
+                                 [[5, -1], [-1, 4]]])
+    leaves = Leaves.from_draft(alternatives, torch.tensor([2, 2]), torch.tensor([True, True]))
+    # Rank 2 at depth 1 is used by no row: it gets no slot. The others keep their order.
+    assert leaves.tokens.tolist() == [[7, 8, 9], [5, 0, 4]]
+    assert leaves.valid.tolist() == [[True, True, True], [True, False, True]]
     depth, sees = leaves.structure(2)
-    assert depth.tolist() == [0, 1, 2, 1, 1, 2, 2]
-    # Slots: last, d1, d2, leaf(1,0), leaf(1,1), leaf(2,0), leaf(2,1).
+    assert depth.tolist() == [0, 1, 2, 1, 2, 2]
+    # Slots: last, d1, d2, leaf(depth 1), leaf(depth 2, rank 1), leaf(depth 2, rank 2).
     assert sees.int().tolist() == [
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0],
-        [1, 0, 0, 1, 0, 0, 0],
-        [1, 0, 0, 0, 1, 0, 0],
-        [1, 1, 0, 0, 0, 1, 0],
-        [1, 1, 0, 0, 0, 0, 1],
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 1],
     ]
     # Sampled rows and positions past the draft length have no leaves.
-    assert Leaves.from_draft(alternatives, torch.tensor([2]), torch.tensor([False])) is None
-    short = Leaves.from_draft(alternatives, torch.tensor([1]), torch.tensor([True]))
-    assert short.valid.tolist() == [[True, False, False, False]]
+    assert Leaves.from_draft(alternatives, torch.tensor([2, 2]), torch.tensor([False, False])) is None
+    short = Leaves.from_draft(alternatives, torch.tensor([1, 1]), torch.tensor([True, True]))
+    assert short.tokens.tolist() == [[7], [5]] and short.depth.tolist() == [1]
