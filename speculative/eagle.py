@@ -32,7 +32,7 @@ from torch import nn
 from transformers import AutoModel
 
 from draftsmith.speculative.draft_lm import draft_lm_config
-from draftsmith.speculative.kv import KVState
+from draftsmith.speculative.kv import KVState, additive_mask
 from draftsmith.speculative.proposers import Draft, DraftModelProposer, RoundContext, left_pad
 
 
@@ -141,9 +141,7 @@ class EagleDrafter(nn.Module):
                 for n in range(2, m + 1):  # step n's guessed slot s - m + n
                     allowed[rows, (n - 1) * length:n * length] = s[None, :] == s[:, None] - m + n
             allowed = allowed[None] & valid.repeat(1, k)[:, None, :]  # [B, kT, kT], padding masked
-            dtype = next(self.parameters()).dtype
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=input_ids.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+            mask = additive_mask(allowed, next(self.parameters()).dtype)
             predicted = self.predict_features(input_ids.repeat(1, k), step_features, mask,
                                               position_ids=s.repeat(k)[None].expand(batch, -1))
             outputs.append(predicted[:, -length:])

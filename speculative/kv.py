@@ -88,9 +88,7 @@ class KVState:
         new slots. Transformers passes a 4-D mask to attention as it is."""
         batch, width = valid.shape
         allowed = torch.cat([self.mask[:, None, :].expand(batch, width, -1), sees[None] & valid[:, None, :]], dim=2)
-        dtype = next(self.model.parameters()).dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
-        return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+        return additive_mask(allowed, next(self.model.parameters()).dtype)
 
     def keep_last(self, keep: torch.Tensor) -> None:  # keep: [B, T] bool over the last T slots
         """Roll back: of the last T slots, only those marked in `keep` stay valid."""
@@ -139,3 +137,11 @@ class KVState:
                 "supports full-attention models (DynamicLayer caches) only"
             )
         self._checked_layout = True
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Q, K] bool (True = may attend) -> the [B, 1, Q, K] additive float mask attention layers take
+    as a custom 4-D mask: 0 where allowed, the dtype's most negative value elsewhere (not -inf, so a
+    query slot that may attend to nothing gives no NaN)."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]

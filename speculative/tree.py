@@ -49,9 +49,10 @@ def runner_ups(
     drafter q roughly tracks the target, so `min_prob` spends verification slots only on leaves likely
     to be taken, which matters where each slot costs (a CPU); on a GPU a pass over a few more slots is
     nearly free and 0 keeps them all."""
-    probs = logits.float().softmax(dim=-1)
+    logits = logits.float()
+    probs = logits.softmax(dim=-1)
     reach = torch.ones_like(probs[..., 0]) if reach is None else reach
-    top = logits.float().topk(count + 1, dim=-1, sorted=True)
+    top = logits.topk(count + 1, dim=-1, sorted=True)
     # Stable sort by (value desc, index asc), so equal logits rank like argmax ranks them.
     order = torch.argsort(top.indices, dim=-1, stable=True)
     values, indices = top.values.gather(-1, order), top.indices.gather(-1, order)
