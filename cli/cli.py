@@ -7,6 +7,7 @@ import sys
 
 from draftsmith import __version__
 from draftsmith.speculative.errors import DraftsmithError
+from draftsmith.speculative.quiet import quiet_libraries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,16 +19,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (generate_cmd, train_cmd, retune_cmd, eval_cmd, quickstart):
         module.register(sub)
     return parser
-
-
-def quiet_libraries() -> None:
-    """Keep stdout/stderr for draftsmith's own output: no per-load progress bars or advisory warnings."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()  # draftsmith shows its own bars for the long steps
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,9 +6,8 @@ import argparse
 
 import torch
 
+from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.errors import InvalidInputError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:

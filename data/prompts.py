@@ -28,7 +28,7 @@ from pathlib import Path
 
 import datasets
 
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import InvalidInputError, first_line
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")
 CONVERSATION_COLUMNS = ("messages", "conversations")
@@ -59,7 +59,7 @@ def read_table(path: str | Path) -> datasets.Dataset:
         try:
             loaded = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as exc:
-            raise InvalidInputError(f"{path} is not a saved dataset directory ({_first_line(exc)})") from exc
+            raise InvalidInputError(f"{path} is not a saved dataset directory ({first_line(exc)})") from exc
         if isinstance(loaded, datasets.DatasetDict):
             loaded = loaded[next(iter(loaded))]
         return loaded
@@ -74,7 +74,7 @@ def read_table(path: str | Path) -> datasets.Dataset:
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many kinds for unreadable files
-        raise InvalidInputError(f"cannot read {path}: {_first_line(exc)}") from exc
+        raise InvalidInputError(f"cannot read {path}: {first_line(exc)}") from exc
     if len(table) == 0:
         raise InvalidInputError(f"{path} holds no records")
     return table
@@ -170,8 +170,3 @@ def _first_instance(record: dict) -> dict | None:
     """Self-instruct records carry "instances": [{"input", "output"}, ...]."""
     instances = record.get("instances")
     return instances[0] if isinstance(instances, list) and instances and isinstance(instances[0], dict) else None
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

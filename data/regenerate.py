@@ -32,27 +32,24 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 from hashlib import sha256
 from pathlib import Path
 
 import datasets
 from tqdm.auto import tqdm
 
+from draftsmith.data.manifest import open_run_dir, read_manifest, shard_range, write_manifest
 from draftsmith.data.render import TOKEN_FEATURES, render_prompt, render_user_turn
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import InvalidInputError, first_line
+from draftsmith.speculative.fileio import atomic_directory, atomic_write_text
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.proposers import Proposer
 from draftsmith.speculative.sampling import SamplingParams
 
-MANIFEST = "manifest.json"
 KIND = "draftsmith-regenerated"
-FORMAT_VERSION = 1
 OUTPUT_FEATURES = datasets.Features({
     "id": datasets.Value("string"),
     "category": datasets.Value("string"),
@@ -117,19 +114,19 @@ def regenerate(
     if done:
         print(f"regenerate: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
-    done_records = sum(len(_shard_range(s, shard_size, len(conversations))) for s in done)
+    done_records = sum(len(shard_range(s, shard_size, len(conversations))) for s in done)
     with tqdm(total=len(conversations), initial=done_records, unit="rec", desc=desc,
               disable=not progress, file=sys.stderr) as bar:
         for shard in range(num_shards):
             if shard in done:
                 continue
-            records = _shard_range(shard, shard_size, len(conversations))
+            records = shard_range(shard, shard_size, len(conversations))
             rows = _generate_rows(decoder, target.tokenizer, conversations, records, settings,
                                   batch_size, draft_len, bar, role)
             _write_shard(shard_dir / shard_name(shard), rows)
             done.add(shard)
             manifest["shards_done"] = sorted(done)
-            write_json_atomic(out_dir / MANIFEST, manifest)
+            write_manifest(out_dir, manifest)
     return _finish(out_dir, manifest, num_shards, len(conversations), progress)
 
 
@@ -225,19 +222,15 @@ def _complete_row(row: dict, tokenizer, prompt: list[int], generated: list[int],
     row["finish_reason"] = reason
 
 
-def _shard_range(shard: int, shard_size: int, total: int) -> range:
-    return range(shard * shard_size, min((shard + 1) * shard_size, total))
-
-
 def _write_shard(path: Path, rows: list[dict]) -> None:
-    write_text_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    atomic_write_text(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def _read_shard(path: Path, expected: int) -> list[dict]:
     try:
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInputError(f"corrupt shard {path}: {_first_line(exc)}; delete it and rerun") from exc
+        raise InvalidInputError(f"corrupt shard {path}: {first_line(exc)}; delete it and rerun") from exc
     if len(rows) != expected:
         raise InvalidInputError(f"corrupt shard {path}: {len(rows)} rows, expected {expected}; delete it and rerun")
     return rows
@@ -247,12 +240,12 @@ def _finish(out_dir: Path, manifest: dict, num_shards: int, total: int, progress
     shard_size = manifest["settings"]["shard_size"]
     rows = []
     for shard in range(num_shards):
-        rows += _read_shard(out_dir / "shards" / shard_name(shard), len(_shard_range(shard, shard_size, total)))
+        rows += _read_shard(out_dir / "shards" / shard_name(shard), len(shard_range(shard, shard_size, total)))
     dataset = datasets.Dataset.from_list(rows, features=OUTPUT_FEATURES)
     with _datasets_progress(progress):
         save_dataset_atomic(dataset, out_dir / "dataset")
     manifest["complete"] = True
-    write_json_atomic(out_dir / MANIFEST, manifest)
+    write_manifest(out_dir, manifest)
     return _load(out_dir, progress)
 
 
@@ -273,110 +266,14 @@ def _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len
         raise InvalidInputError(f"draft_len must be >= 0, got {draft_len!r}")
 
 
-# --- run directories: manifests and atomic writes (shared with data.teacher) -------------------
-
-
-def open_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> dict:
-    """The manifest of the `kind` run in `out_dir` (see `check_run_dir`), created if there is none."""
-    return check_run_dir(out_dir, kind, settings) or create_run_dir(out_dir, kind, settings, num_shards)
-
-
-def check_run_dir(out_dir: Path, kind: str, settings: dict) -> dict | None:
-    """The manifest of an existing run in `out_dir` with these settings, or None for a new or empty
-    directory. Writes nothing. An existing run with other settings, or a non-empty directory that is
-    not a `kind` run, is refused with a one-line error: results are never mixed or overwritten."""
-    out_dir = Path(out_dir)
-    if (out_dir / MANIFEST).exists():
-        manifest = read_manifest(out_dir, kind)
-        _check_same_settings(out_dir, manifest["settings"], settings)
-        return manifest
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InvalidInputError(f"{out_dir} exists and is not a {kind} directory (no {MANIFEST}); "
-                                "pass a new or empty directory")
-    return None
-
-
-def create_run_dir(out_dir: Path, kind: str, settings: dict, num_shards: int) -> dict:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest = {"kind": kind, "format_version": FORMAT_VERSION, "settings": settings,
-                "num_shards": num_shards, "shards_done": [], "complete": False}
-    write_json_atomic(out_dir / MANIFEST, manifest)
-    return manifest
-
-
-def read_manifest(out_dir: Path, kind: str) -> dict:
-    path = Path(out_dir) / MANIFEST
-    if not path.is_file():
-        raise InvalidInputError(f"{out_dir} holds no {kind} run (missing {path})")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidInputError(f"corrupt manifest {path}: {_first_line(exc)}") from exc
-    keys = ("kind", "settings", "num_shards", "shards_done", "complete")
-    if not isinstance(manifest, dict) or any(k not in manifest for k in keys):
-        raise InvalidInputError(f"corrupt manifest {path}: missing fields")
-    if manifest["kind"] != kind:
-        raise InvalidInputError(f"{out_dir} holds a {manifest['kind']} run, not a {kind} run")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise InvalidInputError(f"{path} has format version {manifest.get('format_version')}, "
-                                f"this draftsmith reads {FORMAT_VERSION}")
-    return manifest
-
-
-def _check_same_settings(out_dir: Path, stored: dict, wanted: dict) -> None:
-    for key in sorted(stored.keys() | wanted.keys()):
-        if stored.get(key) != wanted.get(key):
-            raise InvalidInputError(
-                f"{out_dir} was written with other settings ({key}: {_short(stored.get(key))} there, "
-                f"{_short(wanted.get(key))} now); pass another directory or delete it"
-            )
-
-
-def write_json_atomic(path: Path, value) -> None:
-    write_text_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_path(path) as scratch:
-        with open(scratch, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path):
-    """A temporary file name beside `path`, renamed onto `path` if the body finishes; removed if not."""
-    path = Path(path)
-    fd, scratch = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(scratch)
-        os.chmod(scratch, 0o666 & ~_umask())  # mkstemp makes it private; give it a normal file's mode
-        os.replace(scratch, path)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
+# --- writing the dataset ------------------------------------------------------------------------
 
 
 def save_dataset_atomic(dataset: datasets.Dataset, path: Path) -> None:
-    """`dataset.save_to_disk(path)` through a temporary directory, so `path` is whole or absent."""
-    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    """`dataset.save_to_disk(path)` through a temporary directory, so `path` is whole or absent.
+    An existing `path` is replaced: an earlier run died between saving and marking itself complete."""
+    with atomic_directory(path, overwrite=True) as scratch:
         dataset.save_to_disk(str(scratch))
-        os.chmod(scratch, 0o777 & ~_umask())
-        if path.exists():  # an earlier run died between saving and marking itself complete
-            shutil.rmtree(path)
-        os.rename(scratch, path)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 @contextlib.contextmanager
@@ -389,13 +286,3 @@ def _datasets_progress(enabled: bool):
     finally:
         if not enabled and not was_disabled:
             datasets.enable_progress_bars()
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 24 else text[:12] + "..." + text[-8:]
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0].strip() if lines else type(exc).__name__

@@ -23,7 +23,7 @@ from hashlib import sha256
 
 import datasets
 
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import InvalidInputError, first_line
 from draftsmith.speculative.loading import tokenizer_hash
 from draftsmith.speculative.prompts import encode_prompt
 
@@ -177,7 +177,7 @@ def _render(tokenizer, messages: list[dict], *, opened: bool) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=opened)
     except Exception as exc:  # jinja raises many kinds (TemplateError, TypeError, ...)
-        raise InvalidInputError(f"the chat template failed on this conversation: {_first_line(exc)}") from exc
+        raise InvalidInputError(f"the chat template failed on this conversation: {first_line(exc)}") from exc
 
 
 def _tokenize(tokenizer, text: str) -> list[int]:
@@ -192,8 +192,3 @@ def _check_messages(tokenizer, messages) -> None:
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
             raise InvalidInputError(f"message {k} needs a role (system/user/assistant) and a string content")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0].strip() if lines else type(exc).__name__

@@ -39,13 +39,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from draftsmith.data.collate import pad_batch
-from draftsmith.data.regenerate import (MANIFEST, atomic_path, check_run_dir, create_run_dir, read_manifest,
-                                        write_json_atomic)
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.data.manifest import check_run_dir, create_run_dir, read_manifest, shard_range, write_manifest
+from draftsmith.speculative.dtypes import DTYPES, dtype_name
+from draftsmith.speculative.errors import InvalidInputError, first_line
+from draftsmith.speculative.fileio import atomic_file
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 
 KIND = "draftsmith-teacher-cache"
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @torch.no_grad()
@@ -93,7 +93,7 @@ def cache_teacher_signals(
         "hidden": bool(hidden),
         "hidden_size": int(hidden_size),
         "vocab_size": int(vocab_size),
-        "dtype": _dtype_name(dtype),
+        "dtype": dtype_name(dtype),
         "shard_size": shard_size,
         "num_examples": len(dataset),
         "num_tokens": sum(lengths),
@@ -110,21 +110,21 @@ def cache_teacher_signals(
     if done:
         print(f"teacher cache: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    done_examples = sum(len(_shard_range(s, shard_size, len(dataset))) for s in done)
+    done_examples = sum(len(shard_range(s, shard_size, len(dataset))) for s in done)
     with tqdm(total=len(dataset), initial=done_examples, unit="ex", desc="teacher signals",
               disable=not progress, file=sys.stderr) as bar:
         for shard in range(num_shards):
             if shard in done:
                 continue
-            rows = _shard_range(shard, shard_size, len(dataset))
+            rows = shard_range(shard, shard_size, len(dataset))
             tensors = _shard_tensors(target.model, dataset, rows, top_k, hidden, batch_size, dtype, pad_id, bar)
-            with atomic_path(out_dir / shard_file(shard)) as scratch:
+            with atomic_file(out_dir / shard_file(shard)) as scratch:
                 save_file(tensors, str(scratch), metadata={"examples": f"{rows.start}:{rows.stop}"})
             done.add(shard)
             manifest["shards_done"] = sorted(done)
-            write_json_atomic(out_dir / MANIFEST, manifest)
+            write_manifest(out_dir, manifest)
     manifest["complete"] = True
-    write_json_atomic(out_dir / MANIFEST, manifest)
+    write_manifest(out_dir, manifest)
     return TeacherCache(out_dir)
 
 
@@ -135,7 +135,7 @@ def size_line(examples: int, tokens: int, top_k: int, hidden_size: int | None, d
     per_token = top_k * (width + 4) + (hidden_size * width if hidden_size else 0)
     total = tokens * per_token + 8 * (examples + num_shards)
     what = f"top-{top_k} log-probs" + (f" + {hidden_size}-d hidden states" if hidden_size else "")
-    return (f"teacher cache: {examples:,} examples, {tokens:,} tokens, {what} in {_dtype_name(dtype)} "
+    return (f"teacher cache: {examples:,} examples, {tokens:,} tokens, {what} in {dtype_name(dtype)} "
             f"= {_human_bytes(total)}")
 
 
@@ -222,7 +222,7 @@ class TeacherCache:
         path = self.dir / shard_file(shard)
         if not path.is_file():
             raise InvalidInputError(f"teacher cache shard {path} is missing; delete {self.dir} and rerun")
-        examples = len(_shard_range(shard, self.shard_size, self._len))
+        examples = len(shard_range(shard, self.shard_size, self._len))
         try:
             with safe_open(str(path), framework="pt") as f:
                 shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
@@ -239,8 +239,7 @@ class TeacherCache:
             raise self._corrupt(path, ValueError("tensors missing or of the wrong shape"))
 
     def _corrupt(self, path: Path, exc: BaseException) -> InvalidInputError:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt ({reason}); "
+        return InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt ({first_line(exc)}); "
                                  f"delete {self.dir} and rerun")
 
 
@@ -329,14 +328,6 @@ def _check_args(dataset, top_k, vocab_size, batch_size, shard_size, dtype) -> No
             raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
     if dtype not in DTYPES.values():
         raise InvalidInputError(f"teacher cache dtype must be one of {', '.join(DTYPES)}, got {dtype}")
-
-
-def _shard_range(shard: int, shard_size: int, total: int) -> range:
-    return range(shard * shard_size, min((shard + 1) * shard_size, total))
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _human_bytes(n: int) -> str:

@@ -25,12 +25,11 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.eval.verdict import SCHEMA
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.fileio import atomic_write_text, check_destination
 
 EXIT_OK, EXIT_INEXACT = 0, 4
 REPORT_FILE, SUMMARY_FILE = "report.json", "report.md"
@@ -58,9 +57,9 @@ class Report:
 
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        written = {"report": _atomic_text(out_dir / REPORT_FILE, self.to_json())}
+        written = {"report": atomic_write_text(out_dir / REPORT_FILE, self.to_json())}
         figures = plotting.write_plots(self.data, out_dir) if plots else {}
-        written["summary"] = _atomic_text(out_dir / SUMMARY_FILE, markdown.render(self.data, figures))
+        written["summary"] = atomic_write_text(out_dir / SUMMARY_FILE, markdown.render(self.data, figures))
         written.update(figures)
         return written
 
@@ -68,11 +67,8 @@ class Report:
 def prepare_out_dir(out_dir: str | Path, *, overwrite: bool) -> Path:
     """Refuse an existing non-empty directory (or a file) unless overwrite; checked before any decoding."""
     out_dir = Path(out_dir).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InvalidInputError(f"--out {out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise InvalidInputError(f"--out {out_dir} already holds files; choose another directory or pass --overwrite")
-    return out_dir
+    return check_destination(out_dir, overwrite=overwrite, label=f"--out {out_dir}",
+                             advice="choose another directory or pass --overwrite")
 
 
 def clean(value):
@@ -89,14 +85,6 @@ def clean(value):
     if isinstance(value, (list, tuple)):
         return [clean(v) for v in value]
     return value
-
-
-def _atomic_text(path: Path, text: str) -> Path:
-    """Write beside `path`, then rename: a reader never sees half a report (permissions follow the umask)."""
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    scratch.write_text(text)
-    os.replace(scratch, path)
-    return path
 
 
 __all__ = ["Report", "SCHEMA", "EXIT_OK", "EXIT_INEXACT", "prepare_out_dir", "clean"]

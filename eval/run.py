@@ -36,6 +36,7 @@ from draftsmith.eval.settings import TIE_TOLERANCE, EvalSettings, is_greedy
 from draftsmith.eval.verdict import SCHEMA, check_compatible, compare, load_baseline
 from draftsmith.speculative.checkpoint import read_drafter_info
 from draftsmith.speculative.drafters import build_proposer, split_combined
+from draftsmith.speculative.dtypes import dtype_name
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, state_dict_hash, tokenizer_hash
@@ -190,7 +191,7 @@ class _Work:
         greedy_modes = [m for m in self.s.modes if is_greedy(m)]
         tolerance = self.s.tie_tolerance
         if tolerance is None:
-            tolerance = TIE_TOLERANCE.get(str(next(target.model.parameters()).dtype).removeprefix("torch."), 1e-3)
+            tolerance = TIE_TOLERANCE.get(dtype_name(next(target.model.parameters()).dtype), 1e-3)
         greedy = None
         if greedy_modes:
             mode = greedy_modes[0]
@@ -264,7 +265,7 @@ def target_identity(target: LoadedModel, device) -> dict:
         "path": str(target.path) if target.path else None,
         "weight_hash": target.weight_hash(),
         "tokenizer_hash": tokenizer_hash(target.tokenizer),
-        "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "dtype": dtype_name(next(target.model.parameters()).dtype),
         "device": str(device),
         "architecture": {
             "model_type": getattr(config, "model_type", None),

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from draftsmith.eval.settings import COMPARED_SETTINGS, EvalSettings
 from draftsmith.eval.stats import paired_ratio_change
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import InvalidInputError, first_line
 
 SCHEMA = "draftsmith.eval/1"
 EXIT_KEEP, EXIT_RETUNE = 0, 3
@@ -172,4 +172,4 @@ def _by_key(records: list[dict]) -> dict:
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         return f"a record lacks '{exc.args[0]}'"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return first_line(exc)

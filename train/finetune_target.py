@@ -9,10 +9,7 @@ and writes a plain Hugging Face directory, `<output_dir>/model`. Loss covers the
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Literal
@@ -28,6 +25,7 @@ from draftsmith.data.collate import pad_batch
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.render import render_conversation
 from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.fileio import atomic_directory
 from draftsmith.speculative.loading import load_model
 from draftsmith.train.config import LoraConfig, Section
 from draftsmith.train.data_prep import resolve_prompt_file
@@ -121,12 +119,7 @@ def sft_rows(recipe: FinetuneRecipe, tokenizer) -> list[dict]:
 
 
 def save_model_dir(path: Path, model, tokenizer, summary: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with atomic_directory(path) as scratch:
         model.save_pretrained(scratch)
         tokenizer.save_pretrained(scratch)
         (scratch / "draftsmith_finetune.json").write_text(json.dumps(summary, indent=2) + "\n")
-        os.rename(scratch, path)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
