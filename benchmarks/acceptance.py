@@ -3,9 +3,10 @@
     python benchmarks/acceptance.py --drafters runs/draft-lm-smollm2/drafter,runs/medusa-smollm2/drafter,early-exit:12,ngram \
         [--prompts 50] [--draft-len 4] [--max-new-tokens 128] [--batch-size 10] [--alternatives 0,3] [--json out.json]
 
-Greedy decoding of chat prompts spread over ../shared/data/eval_prompts/vicuna_bench.jsonl and
-arena_hard_v0.1.jsonl. Greedy speculation is exact, so each row's tokens (and therefore its AL) are the
-same in any batch; prompts are decoded in batches only to make the run affordable on a CPU. Every
+Greedy decoding of chat prompts spread over vicuna_bench and arena-hard v0.1, half from each (shipped with
+draftsmith: `--prompt-sets builtin:vicuna_bench,builtin:arena_hard_v0.1`, the default; files and
+hf:NAME[:CONFIG][@SPLIT] sources also do). Greedy speculation is exact, so each row's tokens (and therefore
+its AL) are the same in any batch; prompts are decoded in batches only to make the run affordable on a CPU. Every
 drafter's output is checked against the first drafter's (all must equal plain greedy decoding). A lookup
 combination (`ngram+DIR`) also reports the share of rounds its prompt lookup drafted. For speed figures
 at batch 1 use benchmarks/speedup.py. With `--alternatives 0,3` each drafter runs once per value: A > 0
@@ -29,16 +30,18 @@ from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval_prompts"
+PROMPT_SETS = "builtin:vicuna_bench,builtin:arena_hard_v0.1"
 
 
-def eval_prompts(count: int) -> list:
-    """Half from vicuna_bench (spread over its categories), half from arena-hard."""
-    vicuna = load_conversations(SHARED / "vicuna_bench.jsonl")
-    arena = load_conversations(SHARED / "arena_hard_v0.1.jsonl")
-    half = count // 2
-    picks = [vicuna[i] for i in range(0, len(vicuna), max(len(vicuna) // half, 1))][:half]
-    picks += [arena[i] for i in range(0, len(arena), max(len(arena) // (count - half), 1))][: count - half]
+def eval_prompts(count: int, sources: str = PROMPT_SETS) -> list:
+    """An equal share of `count` prompts from each source (the later ones take the remainder), spread
+    over it: by default half from vicuna_bench (over its categories), half from arena-hard."""
+    sources = sources.split(",")
+    picks = []
+    for k, source in enumerate(sources):
+        share = count // len(sources) + (k >= len(sources) - count % len(sources))
+        rows = load_conversations(source) if share else []
+        picks += [rows[i] for i in range(0, len(rows), max(len(rows) // max(share, 1), 1))][:share]
     return picks
 
 
@@ -80,12 +83,16 @@ def main(argv=None) -> int:
                         help="comma-separated runner-up counts per draft position (0 = chain drafting)")
     parser.add_argument("--leaf-min-prob", type=float, default=0.0,
                         help="with alternatives: verify a leaf only when the drafter's estimate that it is taken is at least this")
+    parser.add_argument("--prompt-sets", default=PROMPT_SETS,
+                        help="comma-separated prompt sources (files, builtin:NAME, hf:NAME[:CONFIG][@SPLIT]), an "
+                             "equal share of --prompts from each")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     target = load_model(args.target)
     stops = stop_token_ids(target.model, target.tokenizer)
-    prompts = [encode_prompt(target.tokenizer, row["messages"], chat=True) for row in eval_prompts(args.prompts)]
+    prompts = [encode_prompt(target.tokenizer, row["messages"], chat=True)
+               for row in eval_prompts(args.prompts, args.prompt_sets)]
     rows, reference = [], None
     for spec in args.drafters.split(","):
         for alternatives in (int(a) for a in args.alternatives.split(",")):
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{row['drafter']}: AL {row['acceptance_length']:.3f} in {row['seconds']:.0f} s", file=sys.stderr,
                   flush=True)
-    print(f"\ntarget {target.name}; {len(prompts)} prompts (vicuna_bench + arena-hard), greedy, D={args.draft_len}, "
+    print(f"\ntarget {target.name}; {len(prompts)} prompts ({args.prompt_sets}), greedy, D={args.draft_len}, "
           f"{args.max_new_tokens} new tokens, batches of {args.batch_size}")
     print(f"{'drafter':45s} {'AL':>6s} {'rounds':>7s} {'seconds':>8s} {'same tokens':>12s} {'lookup rounds':>14s} "
           f"{'leaf rounds':>12s}")

@@ -4,9 +4,10 @@
                                  [--draft-lens 2,4] [--confidences 0,0.4] [--alternatives 0,3]
                                  [--leaf-min-probs 0,0.1] [--json out.json]
 
-Batch 1, greedy, 128 new tokens, chat prompts from ../shared/data/eval_prompts/vicuna_bench.jsonl spread
-over its categories. Each system decodes every prompt; a repetition is one pass over all prompts, and the
-table reports the median over repetitions of total tokens / total seconds:
+Batch 1, greedy, 128 new tokens, chat prompts spread over the categories of vicuna_bench (shipped with
+draftsmith: `--prompts-file builtin:vicuna_bench`, the default; a file or hf:NAME[:CONFIG][@SPLIT] also
+does). Each system decodes every prompt; a repetition is one pass over all prompts, and the table reports
+the median over repetitions of total tokens / total seconds:
 
 - `hf generate`: the target's own `generate`, no drafter (the baseline);
 - `hf assisted D=k`: Hugging Face assisted generation with the same drafter as `assistant_model`, a
@@ -41,19 +42,19 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from draftsmith.data.prompts import load_conversations
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 from draftsmith.speculative.proposers import DraftModelProposer
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "eval_prompts" / "vicuna_bench.jsonl"
 
-
-def load_prompts(path: Path, count: int) -> list[str]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def load_prompts(source: str, count: int) -> list[list[dict]]:
+    """`count` prompts (their messages; a turns source gives its first turn) spread over `source`."""
+    rows = load_conversations(source)
     step = max(len(rows) // count, 1)  # spread over the file, which is grouped by category
-    return [rows[i]["turns"][0] for i in range(0, len(rows), step)][:count]
+    return [rows[i]["messages"] for i in range(0, len(rows), step)][:count]
 
 
 class PassCounter:
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None)
     parser.add_argument("--drafter", default="early-exit:10", help="a draft LM directory or early-exit:N")
-    parser.add_argument("--prompts-file", type=Path, default=SHARED)
+    parser.add_argument("--prompts-file", default="builtin:vicuna_bench",
+                        help="the prompts: a file, builtin:NAME or hf:NAME[:CONFIG][@SPLIT]")
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-lens", default="2,4")

@@ -36,7 +36,9 @@ def register(sub) -> None:
                                      "(with --baseline: the baseline's, when omitted)")
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="evaluate a drafter trained for another target (implied by --baseline)")
-    p.add_argument("--prompts", help="prompt file (.jsonl/.json/.parquet/.csv) or saved dataset directory")
+    p.add_argument("--prompts", help="prompt file (.jsonl/.json/.parquet/.csv), saved dataset directory, "
+                                     "builtin:NAME (a set shipped with draftsmith, e.g. builtin:vicuna_bench) "
+                                     "or hf:NAME[:CONFIG][@SPLIT] (datasets.load_dataset: a hub id or local dataset)")
     p.add_argument("--prompt-column", help="the column holding the prompt text (default: inferred)")
     p.add_argument("--modes", help="comma list of greedy, sample:T[:P[:K]] (default greedy)")
     p.add_argument("--draft-lens", help="comma list of draft lengths D (default 1,2,4,8)")

@@ -16,8 +16,9 @@ def register(sub) -> None:
     p.add_argument("--drafter", required=True, type=Path, help="the drafter directory trained for the old target")
     p.add_argument("--target", required=True, help="the new target (directory, .gguf, hub id, ...)")
     p.add_argument("--prompts", action="append", default=None,
-                   help="training prompts (repeatable); default: the prompts the drafter was trained on")
-    p.add_argument("--limit", type=int, default=None, help="use at most N records per prompt file")
+                   help="training prompts (repeatable): a file, builtin:NAME or hf:NAME[:CONFIG][@SPLIT]; "
+                        "default: the prompts the drafter was trained on")
+    p.add_argument("--limit", type=int, default=None, help="use at most N records per prompt source")
     p.add_argument("--budget-steps", type=int, default=200, help="most optimizer steps to spend")
     p.add_argument("--eval-every", type=int, default=25, help="steps between held-out AL checks")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (merged into the result)")

@@ -1,4 +1,4 @@
-"""Prompt sets and conversations from files, as one `datasets.Dataset` shape.
+"""Prompt sets and conversations from files and datasets, as one `datasets.Dataset` shape.
 
 Every loader returns rows with these columns:
 
@@ -7,8 +7,9 @@ Every loader returns rows with these columns:
     category    str    a grouping for per-category figures ("" when the data has none)
     reference   str    a reference answer for quality metrics ("" when none)
 
-Sources: `.jsonl`, `.json`, `.parquet`, `.csv` files (optionally gzip-compressed: `.jsonl.gz`), or a
-directory written by `Dataset.save_to_disk`. Rows that carry `input_ids` and `loss_mask` (a regenerated
+Sources: `.jsonl`, `.json`, `.parquet`, `.csv` files (optionally gzip-compressed: `.jsonl.gz`), a
+directory written by `Dataset.save_to_disk`, a shipped set (`builtin:NAME`) or a dataset through
+`datasets.load_dataset` (`hf:NAME[:CONFIG][@SPLIT]`); see data/sources.py. Rows that carry `input_ids` and `loss_mask` (a regenerated
 dataset: the exact tokens the target produced) keep those two columns too, so training can use them
 as they are instead of re-rendering the text. How a record becomes messages is decided by a
 `ColumnMap`; with none given it is inferred from the columns present:
@@ -23,11 +24,13 @@ as they are instead of re-rendering the text. How a record becomes messages is d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
+from draftsmith.data.sources import builtin_path, check_utf8, is_builtin, is_hf, load_hf
 from draftsmith.speculative.errors import InvalidInputError, first_line
 
 PROMPT_COLUMNS = ("prompt", "instruction", "question", "text", "input")
@@ -51,8 +54,11 @@ class ColumnMap:
 
 
 def read_table(path: str | Path) -> datasets.Dataset:
-    """The raw records of a file or saved dataset directory, as a Dataset (no column mapping)."""
-    path = Path(path).expanduser()
+    """The raw records of a prompt source (a file, a saved dataset directory, builtin:NAME or
+    hf:NAME[:CONFIG][@SPLIT]; see data/sources.py), as a Dataset (no column mapping)."""
+    if is_hf(str(path)):
+        return load_hf(str(path))
+    path = builtin_path(str(path)) if is_builtin(str(path)) else Path(path).expanduser()
     if not path.exists():
         raise InvalidInputError(f"no such file or directory: {path}")
     if path.is_dir():
@@ -71,6 +77,7 @@ def read_table(path: str | Path) -> datasets.Dataset:
     if builder is None:
         raise InvalidInputError(f"unsupported prompt file type '{''.join(path.suffixes)}' ({path}); "
                                 "use .jsonl, .json, .parquet, .csv or a saved dataset directory")
+    check_utf8(path)
     try:
         table = datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises many kinds for unreadable files
@@ -86,14 +93,31 @@ def load_conversations(
     *,
     limit: int | None = None,
     all_turns: bool = False,
+    shuffle_seed: int | None = None,
 ) -> datasets.Dataset:
-    """Read `path` and map it to the id / messages / category / reference shape (see module doc)."""
+    """Read `path` (any source `read_table` takes) and map it to the id / messages / category /
+    reference shape (see module doc). With `shuffle_seed` the records are shuffled with that seed
+    before `limit` takes the first ones: a reproducible random sample instead of the file's head."""
     table = read_table(path)
-    columns = resolve_columns(table.column_names, columns or ColumnMap(), path)
+    if shuffle_seed is not None:
+        table = table.shuffle(seed=shuffle_seed)
     if limit is not None:
         table = table.select(range(min(limit, len(table))))
+    mapped = to_conversations(table, columns, path, all_turns=all_turns)
+    if len(mapped) == 0:
+        raise InvalidInputError(f"{path} holds no records")
+    return mapped
 
-    tokens = [c for c in ("input_ids", "loss_mask") if c in table.column_names]
+
+def to_conversations(table: datasets.Dataset | datasets.IterableDataset, columns: ColumnMap | None, path,
+                     *, all_turns: bool = False) -> datasets.Dataset | datasets.IterableDataset:
+    """`table`'s records in the conversation shape (an IterableDataset is mapped as it is read);
+    `path` names the source in errors."""
+    names = table.column_names
+    if names is None:  # a stream whose features are not known before reading (JSON files)
+        names = list(next(iter(table), {}).keys())
+    columns = resolve_columns(names, dataclasses.replace(columns or ColumnMap()), path)
+    tokens = [c for c in ("input_ids", "loss_mask") if c in names]
     tokens = tokens if len(tokens) == 2 else []
 
     def to_row(record: dict, index: int) -> dict:
@@ -105,10 +129,13 @@ def load_conversations(
             **{c: list(record[c]) for c in tokens},
         }
 
-    mapped = table.map(to_row, with_indices=True, remove_columns=table.column_names, desc="reading prompts")
-    if len(mapped) == 0:
-        raise InvalidInputError(f"{path} holds no records")
-    return mapped
+    if isinstance(table, datasets.IterableDataset):
+        return table.map(to_row, with_indices=True, remove_columns=names)
+    try:
+        return table.map(to_row, with_indices=True, remove_columns=names, desc="reading prompts")
+    except UnicodeDecodeError as exc:  # bytes that are not UTF-8 inside a dataset's string columns
+        raise InvalidInputError(f"{path} holds text that is not UTF-8 ({exc.reason} at byte {exc.start} "
+                                "of a value); convert it to UTF-8") from None
 
 
 def resolve_columns(names: list[str], given: ColumnMap, path) -> ColumnMap:
@@ -124,7 +151,8 @@ def resolve_columns(names: list[str], given: ColumnMap, path) -> ColumnMap:
             given.prompt = next((c for c in PROMPT_COLUMNS if c in names), None)
     if not (given.prompt or given.messages or given.turns):
         raise InvalidInputError(
-            f"{path} has no prompt column; pass one with --prompt-column (columns: {', '.join(names)})"
+            f"{path} has no prompt column; name it with --prompt-column (in a recipe: data.columns.prompt, "
+            f".conversation or .turns) (columns: {', '.join(names)})"
         )
     given.category = given.category or next((c for c in CATEGORY_COLUMNS if c in names), None)
     given.reference = given.reference or next((c for c in REFERENCE_COLUMNS if c in names), None)
@@ -135,9 +163,15 @@ def resolve_columns(names: list[str], given: ColumnMap, path) -> ColumnMap:
 def _messages(record: dict, columns: ColumnMap, all_turns: bool, path, index: int) -> list[dict]:
     if columns.messages:
         raw = record[columns.messages] or []
+        if not isinstance(raw, list):
+            raise InvalidInputError(f"record {index} of {path}: column '{columns.messages}' holds no list of "
+                                    "messages; name the right column with data.columns")
         messages = [_message(m, path, index) for m in raw]
     elif columns.turns:
         turns = record[columns.turns] or []
+        if not isinstance(turns, list):
+            raise InvalidInputError(f"record {index} of {path}: column '{columns.turns}' holds no list of turns; "
+                                    "name the right column with data.columns")
         turns = turns if all_turns else turns[:1]
         messages = [{"role": "user", "content": str(t)} for t in turns]
     else:
@@ -152,6 +186,8 @@ def _messages(record: dict, columns: ColumnMap, all_turns: bool, path, index: in
 
 
 def _message(raw: dict, path, index: int) -> dict:
+    if not isinstance(raw, dict):
+        raise InvalidInputError(f"record {index} of {path}: a message needs a role (user/assistant/system) and content")
     role = raw.get("role", raw.get("from"))
     content = raw.get("content", raw.get("value"))
     if role not in _ROLES or content is None:

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models built in the tests (no network, no ../shared)."""
+"""Shared fixtures: tiny random models built in the tests (no network, no files from outside the repository)."""
 
 import os
 
@@ -83,3 +83,44 @@ def _fit_eagle(target, prompts, max_new_tokens, steps=150, seed=0):
 def fit_eagle():
     """fit_eagle(target, prompts, max_new_tokens): an EAGLE drafter that knows those continuations."""
     return _fit_eagle
+
+
+DATASET_CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/train-*.parquet
+  - split: test
+    path: data/test-*.parquet
+- config_name: chat
+  data_files:
+  - split: train
+    path: chat/train-*.parquet
+---
+# A tiny dataset repository for draftsmith's tests
+"""
+
+
+@pytest.fixture(scope="session")
+def dataset_repo(tmp_path_factory):
+    """A local dataset repository laid out as on the hub: a README dataset card naming two configs,
+    parquet shards. default: `query` (a prompt, under a name draftsmith does not infer) and `topic`,
+    train = 2 shards of 12 records, test = 4; chat: ShareGPT `dialog` conversations, 8 records."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("datasets") / "tiny-repo"
+    (root / "data").mkdir(parents=True)
+    (root / "chat").mkdir()
+    (root / "README.md").write_text(DATASET_CARD)
+    for shard in range(2):
+        rows = [f"question {shard * 12 + i}: {'ab' * (i % 5)} ?" for i in range(12)]
+        pq.write_table(pa.table({"query": rows, "topic": [f"t{i % 3}" for i in range(12)]}),
+                       root / "data" / f"train-{shard:05d}-of-00002.parquet")
+    pq.write_table(pa.table({"query": [f"held {i}" for i in range(4)], "topic": ["t"] * 4}),
+                   root / "data" / "test-00000-of-00001.parquet")
+    dialogs = [[{"from": "human", "value": f"hello {i}"}, {"from": "gpt", "value": f"hi {i}, how are you"}]
+               for i in range(8)]
+    pq.write_table(pa.table({"dialog": dialogs}), root / "chat" / "train-00000-of-00001.parquet")
+    return root

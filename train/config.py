@@ -5,8 +5,9 @@ the key; `key=value` overrides from the command line use dotted paths (`train.st
 `loss.kind=fkl`) and YAML syntax for values (`data.prompts=[a.jsonl,b.jsonl]`).
 
 Relative paths in a recipe are relative to the working directory; `builtin:NAME` names a prompt set
-that ships with draftsmith (`data/prompts/NAME.jsonl`), and a recipe name without a path
-(`tiny-medusa`) names a recipe that ships in `recipes/`.
+that ships with draftsmith (data/prompts/, see its README.md), `hf:NAME[:CONFIG][@SPLIT]` a dataset
+loaded by `datasets.load_dataset`, and a recipe name without a path (`tiny-medusa`) names a recipe
+that ships in `recipes/`.
 """
 
 from __future__ import annotations
@@ -53,14 +54,55 @@ class DrafterConfig(Section):
     then multiplies only their rows of the lm_head); None drafts from the whole vocabulary."""
 
 
+class DataColumns(Section):
+    """Which column holds what, for data whose column names do not say (None: inferred; see
+    draftsmith.data.prompts). At most one of prompt, conversation and turns."""
+
+    prompt: str | None = None
+    """A single user message (inferred from prompt, instruction, question, text, input)."""
+    conversation: str | None = None
+    """A list of {role, content} or ShareGPT {from, value} messages (inferred from messages, conversations)."""
+    turns: str | None = None
+    """A list of user turns, MT-Bench style (inferred from turns)."""
+    category: str | None = None
+    """A grouping for per-category figures (inferred from category, cluster, motivation_app)."""
+    reference: str | None = None
+    """A reference answer (inferred from reference, answer, output, canonical_solution)."""
+    id: str | None = None
+    """A stable record id (inferred from id, question_id, uid, task_id; else the record's index)."""
+
+    @model_validator(mode="after")
+    def _one_text_column(self) -> "DataColumns":
+        given = [name for name in ("prompt", "conversation", "turns") if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"name one of data.columns.prompt, .conversation and .turns, not {' and '.join(given)}")
+        return self
+
+
 class DataConfig(Section):
     prompts: list[str] = Field(default_factory=lambda: ["builtin:quickstart"])
-    """Prompt / conversation files (jsonl, json, parquet, csv, saved dataset dirs), builtin:NAME, or self:N
-    (N prompts the target writes itself, Magpie-style; see draftsmith.data.self_prompts)."""
+    """Prompt / conversation sources: files (jsonl, json, parquet, csv, saved dataset dirs), builtin:NAME
+    (a set that ships with draftsmith), hf:NAME[:CONFIG][@SPLIT] (datasets.load_dataset: a hub id or a
+    local dataset repository), or self:N (N prompts the target writes itself, Magpie-style; see
+    draftsmith.data.self_prompts)."""
     prompt_column: str | None = None
-    """Column holding the prompt, when it is not inferred (prompt, instruction, question, turns, messages...)."""
+    """Column holding the prompt, when it is not inferred (prompt, instruction, question, turns, messages...);
+    the same as data.columns.prompt."""
+    columns: DataColumns = Field(default_factory=DataColumns)
+    """Which columns hold the prompt or conversation, category, reference and id, where inference cannot tell."""
     limit: int | None = Field(None, ge=1)
-    """Use at most this many records per file."""
+    """Use at most this many records per source (the first ones, or a random sample with data.shuffle)."""
+    shuffle: bool = False
+    """Shuffle each source (with data.seed) before data.limit takes its records; a streamed source
+    shuffles its shard order and a buffer of data.stream_buffer records."""
+    seed: int | None = None
+    """Seed of the shuffles: each source's (data.shuffle) and the combined records', whose first
+    data.heldout are held out; None = train.seed. The same seed gives the same records and held-out split."""
+    streaming: bool = False
+    """Read hf: sources as streams: only the records used are fetched (data.limit of them), written in
+    resumable shards under data.cache_dir and read back memory-mapped; for sets too large to download whole."""
+    stream_buffer: int = Field(10_000, ge=1)
+    """Records in the shuffle buffer of a streamed source (with data.shuffle)."""
     heldout: int = Field(16, ge=1)
     """Records held out (never trained on) for the periodic acceptance-length evaluation."""
     regenerate: bool = True

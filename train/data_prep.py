@@ -16,17 +16,18 @@ from pathlib import Path
 import datasets
 import torch
 
-import draftsmith.data
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import regenerate
 from draftsmith.data.render import render_prompt, tokenize_dataset
 from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
+from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
+from draftsmith.data.stream import stream_conversations
 from draftsmith.data.teacher import ConcatTeacher, TeacherCache, cache_teacher_signals
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
 from draftsmith.train.config import Recipe
 
-BUILTIN_PROMPTS = Path(draftsmith.data.__file__).resolve().parent / "prompts"
+BUILTIN_PROMPTS = BUILTIN_DIR
 
 
 @dataclass
@@ -40,13 +41,10 @@ class TrainingData:
 def resolve_prompt_file(spec: str) -> Path:
     if is_self_spec(spec):
         raise InvalidInputError(f"'{spec}' (prompts the target writes) is a training-data source only; list a file here")
-    if spec.startswith("builtin:"):
-        name = spec.removeprefix("builtin:")
-        path = BUILTIN_PROMPTS / f"{name}.jsonl"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in BUILTIN_PROMPTS.glob("*.jsonl")))
-            raise InvalidInputError(f"no builtin prompt set '{name}' (builtin sets: {known})")
-        return path
+    if is_hf(spec):
+        raise InvalidInputError(f"'{spec}' names a dataset, not a file")
+    if is_builtin(spec):
+        return builtin_path(spec)
     path = Path(spec).expanduser()
     if not path.exists():
         raise InvalidInputError(f"data file not found: {spec}")
@@ -58,18 +56,53 @@ def source_fingerprint(spec: str) -> str:
     the count (the prompts themselves follow from the target, the seed and this draftsmith)."""
     if is_self_spec(spec):
         return f"self-written:{self_prompt_count(spec)}"
+    if is_hf(spec):
+        return f"dataset:{hf_fingerprint(spec)}"
     return file_fingerprint(resolve_prompt_file(spec))
+
+
+def column_map(recipe: Recipe) -> ColumnMap:
+    """data.columns (and data.prompt_column, its older spelling of columns.prompt) as a ColumnMap."""
+    cfg = recipe.data
+    c = cfg.columns
+    if cfg.prompt_column and (c.conversation or c.turns or (c.prompt and c.prompt != cfg.prompt_column)):
+        raise InvalidInputError("data.prompt_column and data.columns name different prompt columns; keep one")
+    return ColumnMap(prompt=c.prompt or cfg.prompt_column, messages=c.conversation, turns=c.turns,
+                     category=c.category, reference=c.reference, id=c.id)
+
+
+def data_seed(recipe: Recipe) -> int:
+    return recipe.data.seed if recipe.data.seed is not None else recipe.train.seed
+
+
+def data_options(recipe: Recipe) -> dict:
+    """The data settings added after cache keys were first written, in the key only when they are set,
+    so that the caches written before them stay valid."""
+    cfg = recipe.data
+    options = {"columns": cfg.columns.model_dump(exclude_none=True) or None, "data_seed": cfg.seed,
+               "shuffle": cfg.shuffle or None, "streaming": cfg.streaming or None,
+               "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: Path | None = None,
                  progress: bool = True) -> datasets.Dataset:
-    """Every data.prompts source as conversations, shuffled. Files give at most data.limit records each;
-    a `self:N` source (N prompts the target writes, cached under cache_root) gives at most N."""
+    """Every data.prompts source as conversations, shuffled with the data seed. Files and datasets give
+    at most data.limit records each (a seeded sample with data.shuffle); a streamed `hf:` source is read
+    into shards under cache_root; a `self:N` source (N prompts the target writes, cached under
+    cache_root) gives at most N."""
     cfg = recipe.data
+    columns, seed = column_map(recipe), data_seed(recipe)
+    shuffle_seed = seed if cfg.shuffle else None
 
     def load(spec: str) -> datasets.Dataset:
+        if cfg.streaming and is_hf(spec):
+            key = cache_key(source=spec, fingerprint=hf_fingerprint(spec), columns=vars(columns), limit=cfg.limit,
+                            shuffle_seed=shuffle_seed, buffer=cfg.stream_buffer)
+            return stream_conversations(spec, Path(cache_root) / f"stream-{key}", columns, limit=cfg.limit,
+                                        shuffle_seed=shuffle_seed, buffer_size=cfg.stream_buffer, progress=progress)
         if not is_self_spec(spec):
-            return load_conversations(resolve_prompt_file(spec), ColumnMap(prompt=cfg.prompt_column), limit=cfg.limit)
+            return load_conversations(spec, columns, limit=cfg.limit, shuffle_seed=shuffle_seed)
         count = self_prompt_count(spec)
         key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed)
         return write_prompts(target, count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
@@ -82,7 +115,7 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
         raise InvalidInputError("data.prompts mixes regenerated datasets (with input_ids) and prompt files; "
                                 "list only one kind")
     records = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    return records.shuffle(seed=recipe.train.seed)
+    return records.shuffle(seed=seed)
 
 
 def split_heldout(records: datasets.Dataset, heldout: int) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -115,7 +148,7 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
               "regenerated": cfg.regenerate, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     key = cache_key(target=target.weight_hash(), files=files, limit=cfg.limit, column=cfg.prompt_column,
                     heldout=cfg.heldout, seed=recipe.train.seed, regenerate=cfg.regenerate,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **data_options(recipe))
     if cfg.extra_samples and not cfg.regenerate:
         raise InvalidInputError("data.extra_samples needs data.regenerate: true (they are the target's answers)")
     if cfg.regenerate:

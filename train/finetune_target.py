@@ -28,12 +28,11 @@ from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.fileio import atomic_directory
 from draftsmith.speculative.loading import load_model
 from draftsmith.train.config import LoraConfig, Section
-from draftsmith.train.data_prep import resolve_prompt_file
 
 
 class FinetuneData(Section):
     prompts: list[str]
-    """Files of prompt / answer records."""
+    """Sources of prompt / answer records: files, builtin:NAME or hf:NAME[:CONFIG][@SPLIT]."""
     prompt_column: str | None = None
     answer_column: str = "answer"
     """The column holding the answer the target learns to give."""
@@ -104,8 +103,8 @@ def sft_rows(recipe: FinetuneRecipe, tokenizer) -> list[dict]:
     cfg = recipe.data
     rows = []
     for spec in cfg.prompts:
-        records = load_conversations(resolve_prompt_file(spec),
-                                     ColumnMap(prompt=cfg.prompt_column, reference=cfg.answer_column), limit=cfg.limit)
+        records = load_conversations(spec, ColumnMap(prompt=cfg.prompt_column, reference=cfg.answer_column),
+                                     limit=cfg.limit)
         for record in records:
             if not record["reference"].strip():
                 continue

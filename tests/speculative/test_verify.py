@@ -1,4 +1,4 @@
-"""The reference verifier on hand-made and random inputs (../shared/EXACTNESS.md, requirements 1-11)."""
+"""The reference verifier on hand-made and random inputs (the rules in speculative/verify.py's docstring)."""
 
 import math
 

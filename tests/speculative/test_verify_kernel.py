@@ -1,4 +1,4 @@
-"""The fused Triton verifier against the reference `verify_native` (../shared/EXACTNESS.md).
+"""The fused Triton verifier against the reference `verify_native` (speculative/verify.py).
 
 Without CUDA the kernels run on Triton's CPU interpreter. TRITON_INTERPRET=1 has to be set before
 triton is first imported, and transformers imports triton, so in this suite it must come from the
