@@ -29,6 +29,7 @@ from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
+from draftsmith.speculative.options import DecodeOptions
 
 PROMPT_SETS = "builtin:vicuna_bench,builtin:arena_hard_v0.1"
 
@@ -52,9 +53,10 @@ def measure(target, spec, prompts, args, stops, alternatives=0):
     start = time.perf_counter()
     with torch.inference_mode():
         for begin in range(0, len(prompts), args.batch_size):
-            result = decoder.generate(prompts[begin:begin + args.batch_size], max_new_tokens=args.max_new_tokens,
-                                      draft_len=args.draft_len, draft_alternatives=alternatives,
-                                      leaf_min_prob=args.leaf_min_prob)
+            result = decoder.generate(prompts[begin:begin + args.batch_size], options=DecodeOptions(max_new_tokens=args.max_new_tokens,
+                                                                                                    draft_len=args.draft_len,
+                                                                                                    draft_alternatives=alternatives,
+                                                                                                    leaf_min_prob=args.leaf_min_prob))
             outputs += result.tokens
             stats = result.stats
             rounds += stats.rounds

@@ -40,14 +40,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
 
+from draftsmith.speculative import kinds
 from draftsmith.data.prompts import load_conversations
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
-from draftsmith.speculative.proposers import DraftModelProposer
+from draftsmith.speculative.options import DecodeOptions
 
 
 def load_prompts(source: str, count: int) -> list[list[dict]]:
@@ -96,8 +96,9 @@ def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, altern
     outputs, tokens, rounds = [], 0, 0
     start = time.perf_counter()
     for ids in prompts:
-        result = decoder.generate([ids], max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence,
-                                  draft_alternatives=alternatives, leaf_min_prob=min_prob)
+        result = decoder.generate([ids], options=DecodeOptions(max_new_tokens=max_new, draft_len=draft_len,
+                                                               draft_confidence=confidence,
+                                                               draft_alternatives=alternatives, leaf_min_prob=min_prob))
         outputs.append(result.tokens[0])
         tokens += result.stats.new_tokens
         rounds += result.stats.rounds
@@ -128,10 +129,9 @@ def main(argv=None) -> int:
 
     target = load_model(args.target)
     proposer = build_proposer(args.drafter, target)
-    # Hugging Face assisted generation takes a causal LM as assistant_model: a draft LM, not an EAGLE
-    # drafter (which reads the target's features) nor heads or lookup.
-    model = proposer.model if isinstance(proposer, DraftModelProposer) else None
-    assistant = model if isinstance(model, PreTrainedModel) else None
+    # Hugging Face assisted generation takes a causal LM as assistant_model: a draft LM or early exit, not
+    # an EAGLE drafter (which reads the target's features) nor heads or lookup.
+    assistant = kinds.of(proposer).assistant_model(proposer)
     texts = load_prompts(args.prompts_file, args.prompts)
     prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in texts]
     stops = stop_token_ids(target.model, target.tokenizer)

@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from draftsmith.common import add_target_args, resolve_device, resolve_dtype
-from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.drafters import load_drafter
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.options import DecodeOptions
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
 
@@ -45,15 +46,16 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    options = DecodeOptions(max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
+                            draft_confidence=args.draft_confidence, draft_alternatives=args.draft_alternatives,
+                            leaf_min_prob=args.leaf_min_prob)
     target = load_model(args.target, device=device, dtype=dtype)
-    proposer = build_proposer(args.drafter, target, device=device, dtype=dtype,
+    proposer, _ = load_drafter(args.drafter, target, device=device, dtype=dtype,
                               allow_target_mismatch=args.allow_target_mismatch)
     prompt = encode_prompt(target.tokenizer, args.prompt, chat=args.chat)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     stream = TextStream(target.tokenizer)
-    result = decoder.generate([prompt], sampling, max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
-                              draft_confidence=args.draft_confidence, draft_alternatives=args.draft_alternatives,
-                              leaf_min_prob=args.leaf_min_prob, on_emit=lambda row, ids: stream.push(ids))
+    result = decoder.generate([prompt], sampling, options, on_emit=lambda row, ids: stream.push(ids))
     stream.close()
     print(format_stats(result.stats, proposer is not None), file=sys.stderr)
     return 0

@@ -35,6 +35,7 @@ from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 from draftsmith.train.config import load_recipe
 from draftsmith.train.data_prep import BUILTIN_PROMPTS
 from draftsmith.train.loop import train
+from draftsmith.speculative.options import DecodeOptions
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 PLANS = {
@@ -154,9 +155,9 @@ def write_summary(out: Path, rows, started: float) -> None:
 def demo(target, drafter: str, draft_len: int) -> None:
     stops = stop_token_ids(target.model, target.tokenizer)
     prompt = encode_prompt(target.tokenizer, DEMO_PROMPT, chat=True)
-    plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], max_new_tokens=64)
+    plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], options=DecodeOptions(max_new_tokens=64))
     decoder = SpeculativeDecoder(target.model, build_proposer(drafter, target), stop_token_ids=stops)
-    result = decoder.generate([prompt], max_new_tokens=64, draft_len=draft_len)
+    result = decoder.generate([prompt], options=DecodeOptions(max_new_tokens=64, draft_len=draft_len))
     # The text goes to stdout, its statistics to stderr, as in `draftsmith generate`.
     print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n", flush=True)
     same = "identical to" if result.tokens == plain.tokens else "DIFFERENT FROM"

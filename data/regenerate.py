@@ -48,6 +48,7 @@ from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.proposers import Proposer
 from draftsmith.speculative.sampling import SamplingParams
+from draftsmith.speculative.options import DecodeOptions
 
 KIND = "draftsmith-regenerated"
 OUTPUT_FEATURES = datasets.Features({
@@ -177,8 +178,8 @@ def _generate_rows(decoder, tokenizer, conversations, records: range, settings: 
                            seed=row_seed(settings["seed"], records[k]))
             for k in chunk
         ]
-        result = decoder.generate([prompts[k] for k in chunk], params,
-                                  max_new_tokens=settings["max_new_tokens"], draft_len=draft_len)
+        result = decoder.generate([prompts[k] for k in chunk], params, options=DecodeOptions(max_new_tokens=settings["max_new_tokens"],
+                                                                                             draft_len=draft_len))
         for k, generated, reason in zip(chunk, result.tokens, result.finish_reasons):
             _complete_row(rows[k], tokenizer, prompts[k], generated, reason, role)
         bar.update(len(chunk))

@@ -30,7 +30,8 @@ from draftsmith.eval.decoding import Pass
 from draftsmith.eval.speed import round_overhead_s
 from draftsmith.eval.stats import predicted_al
 from draftsmith.speculative.kv import KVState
-from draftsmith.speculative.proposers import DraftModelProposer, left_pad
+from draftsmith.speculative import kinds
+from draftsmith.speculative.proposers import left_pad
 
 
 @torch.inference_mode()
@@ -44,10 +45,11 @@ def measure_costs(target: torch.nn.Module, proposer, prompts: list[list[int]], b
         "draft_step_s": None,
         "draft_step_source": "sweep",
     }
-    if isinstance(proposer, DraftModelProposer):
+    model = kinds.of(proposer).draft_model(proposer) if proposer is not None else None
+    if model is not None:
         # An EAGLE drafter also reads a feature per slot: zeros cost what real features cost.
-        features = proposer.model.config.hidden_size if proposer.needs_target_states else None
-        draft_kv = _prefilled(proposer.model, contexts, features)
+        features = model.config.hidden_size * len(proposer.target_layers) if proposer.needs_target_states else None
+        draft_kv = _prefilled(model, contexts, features)
         costs["draft_step_s"] = _time_step(draft_kv, 1, reps, logits_to_keep=1, features=features)
         costs["draft_step_source"] = "timed"
     return costs

@@ -18,6 +18,7 @@ from hashlib import sha256
 
 from draftsmith.eval.settings import EvalSettings
 from draftsmith.speculative.generate import DecodeStats, SpeculativeDecoder
+from draftsmith.speculative.options import DecodeOptions
 
 
 @dataclass
@@ -94,11 +95,8 @@ def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices:
     def on_emit(row: int, ids: list[int]) -> None:
         emissions[row].append((time.perf_counter() - start, len(ids)))
 
-    result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices],
-                              max_new_tokens=settings.max_new_tokens, draft_len=draft_len,
-                              draft_confidence=settings.draft_confidence,
-                              draft_alternatives=settings.draft_alternatives,
-                              leaf_min_prob=settings.leaf_min_prob, on_emit=on_emit)
+    result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices], settings.options(draft_len),
+                              on_emit=on_emit)
     own = result.stats if len(prompts) == 1 else None
     traces = [Trace(i, tokens, finish, emitted, own)
               for i, tokens, finish, emitted in zip(indices, result.tokens, result.finish_reasons, emissions)]
@@ -107,4 +105,4 @@ def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices:
 
 def warm_up(decoder: SpeculativeDecoder, prompt: list[int], draft_len: int, batch_size: int) -> None:
     """A short untimed decode, so one-off costs (allocator growth, kernel selection) stay out of timings."""
-    decoder.generate([prompt] * batch_size, max_new_tokens=min(8, 2 * draft_len + 2), draft_len=draft_len)
+    decoder.generate([prompt] * batch_size, options=DecodeOptions(max_new_tokens=min(8, 2 * draft_len + 2), draft_len=draft_len))

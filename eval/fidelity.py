@@ -22,6 +22,7 @@ from draftsmith.eval.settings import EvalSettings, parse_mode
 from draftsmith.eval.stats import chi_square_homogeneity, chi_square_p, pooled_table, total_variation
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.sampling import SamplingParams
+from draftsmith.speculative.options import DecodeOptions
 
 
 def make_contexts(prompts: list[list[int]], greedy_outputs: list[list[int]], count: int, window: int) -> list[dict]:
@@ -83,5 +84,5 @@ def sample_counts(decoder: SpeculativeDecoder, context: list[int], base: Samplin
                   tokens: int, draft_len: int) -> Counter:
     """Counts of the joint value of the first `tokens` emitted tokens over n seeded rows (one batch)."""
     params = [SamplingParams(base.temperature, base.top_k, base.top_p, seed0 + r) for r in range(n)]
-    result = decoder.generate([context] * n, params, max_new_tokens=tokens, draft_len=draft_len)
+    result = decoder.generate([context] * n, params, options=DecodeOptions(max_new_tokens=tokens, draft_len=draft_len))
     return Counter(",".join(map(str, row)) for row in result.tokens)

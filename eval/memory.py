@@ -17,26 +17,9 @@ import sys
 
 import torch
 
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, NGramProposer, Proposer
-
-
-def weight_bytes(module: torch.nn.Module, exclude: torch.nn.Module | None = None) -> int:
-    skip = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
-    seen, total = set(), 0
-    for p in module.parameters():
-        if p.data_ptr() in seen or p.data_ptr() in skip:
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
-    return total
-
-
-def kv_bytes_per_token(config, layers: int | None = None, element_size: int = 4) -> int:
-    """Bytes of keys and values one token occupies in a full-attention cache of this config."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * (layers or config.num_hidden_layers) * kv_heads * head_dim * element_size
+from draftsmith.speculative import kinds
+from draftsmith.speculative.kinds import kv_bytes_per_token, weight_bytes
+from draftsmith.speculative.proposers import Proposer
 
 
 def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int, batch_sizes: list[int]) -> list[dict]:
@@ -61,21 +44,11 @@ def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int,
 
 
 def _drafter_footprint(target, proposer) -> tuple[int, int, str]:
-    """(extra weight bytes, KV bytes per token, a note on sharing) of a drafter."""
-    proposer = getattr(proposer, "drafter", proposer)  # a lookup combination costs what its drafter costs
-    if proposer is None or isinstance(proposer, NGramProposer):
-        return 0, 0, "none (prompt lookup)"
-    if isinstance(proposer, EarlyExitProposer):
-        element = next(target.parameters()).element_size()
-        per_token = kv_bytes_per_token(proposer.model.config, proposer.num_layers, element)
-        return 0, per_token, f"shared with the target (its first {proposer.num_layers} layers)"
-    if isinstance(proposer, DraftModelProposer):
-        element = next(proposer.model.parameters()).element_size()
-        return weight_bytes(proposer.model), kv_bytes_per_token(proposer.model.config, element_size=element), "own"
-    heads = getattr(proposer, "heads", None)  # Medusa: heads only, the lm_head may be the target's
-    if isinstance(heads, torch.nn.Module):
-        return weight_bytes(heads, exclude=target), 0, "own heads; lm_head shared when not owned"
-    return 0, 0, f"unknown ({type(proposer).__name__})"
+    """(extra weight bytes, KV bytes per token, a note on sharing) of a drafter, from its kind."""
+    if proposer is None:
+        return 0, 0, "none (plain decoding)"
+    footprint = kinds.of(proposer).footprint(proposer, target)
+    return footprint.weight_bytes, footprint.kv_bytes_per_token, footprint.note
 
 
 class PeakMemory:

@@ -34,14 +34,13 @@ from draftsmith.eval.quality import QualityScorer
 from draftsmith.eval.report import EXIT_INEXACT, EXIT_OK, Report, prepare_out_dir
 from draftsmith.eval.settings import TIE_TOLERANCE, EvalSettings, is_greedy
 from draftsmith.eval.verdict import SCHEMA, check_compatible, compare, load_baseline
-from draftsmith.speculative.checkpoint import read_drafter_info
-from draftsmith.speculative.drafters import build_proposer, split_combined
+from draftsmith.speculative import kinds
+from draftsmith.speculative.drafters import DrafterSource, load_drafter
 from draftsmith.speculative.dtypes import dtype_name
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.loading import LoadedModel, state_dict_hash, tokenizer_hash
+from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer
 
 
 def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, settings: EvalSettings, *,
@@ -75,11 +74,11 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     fingerprint = prompt_fingerprint(prompts)
     if baseline is not None:
         check_compatible(baseline, settings, fingerprint, len(prompts), tokenizer_hash(target.tokenizer))
-    proposer = build_proposer(drafter_spec, target, allow_target_mismatch=allow_target_mismatch)
+    proposer, source = load_drafter(drafter_spec, target, allow_target_mismatch=allow_target_mismatch)
     if proposer is None:
         raise InvalidInputError("eval needs a drafter (--drafter DIR, early-exit:N or ngram)")
     stops = stop_token_ids(target.model, target.tokenizer)
-    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier or "auto")
+    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     if plain_passes is not None:
         plain_passes.bind(target, encoded, settings)
@@ -98,8 +97,8 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": settings.to_dict(),
         "target": target_identity(target, device),
-        "verifier": getattr(spec.verifier, "__name__", type(spec.verifier).__name__),
-        "drafter": drafter_identity(drafter_spec, proposer, target),
+        "verifier": spec.verifier.name,
+        "drafter": drafter_identity(source, proposer, target),
         "prompts": {"path": settings.prompts_path, "column": settings.prompt_column, "count": len(prompts),
                     "fingerprint": fingerprint, "categories": _counts(categories),
                     "with_references": sum(bool(r.strip()) for r in references),
@@ -279,29 +278,17 @@ def target_identity(target: LoadedModel, device) -> dict:
     }
 
 
-def drafter_identity(spec: str, proposer, target: LoadedModel) -> dict:
-    record = {"spec": spec, "kind": proposer.name, "weight_hash": None, "shares_target_weights": False,
-              "trained_for": None, "matches_target": None}
-    combined = split_combined(spec)
-    if combined is not None:  # prompt lookup + a drafter: the drafter's identity
-        spec, proposer = combined[1], proposer.drafter
-    if isinstance(proposer, EarlyExitProposer):
-        record.update(shares_target_weights=True, layers=proposer.num_layers)
-    elif isinstance(proposer, DraftModelProposer):
-        record["weight_hash"] = state_dict_hash(proposer.model)
-    elif hasattr(proposer, "heads"):
-        record["weight_hash"] = state_dict_hash(proposer.heads)
-    info = _drafter_info(spec)
+def drafter_identity(source: DrafterSource, proposer, target: LoadedModel) -> dict:
+    """What the report records of the drafter: its spec and name, its kind's identity facts (weight
+    hash, shared weights), and the target it was trained for (from its checkpoint's record)."""
+    record = {"spec": source.spec, "kind": proposer.name, "trained_for": None, "matches_target": None,
+              **kinds.of(proposer).identity(proposer)}
+    info = source.record
     if info is not None:
         record["trained_for"] = {"target_name": info.target_name, "target_hash": info.target_hash,
                                  "kind": info.kind, "created": info.created}
         record["matches_target"] = info.target_hash == target.weight_hash()
     return record
-
-
-def _drafter_info(spec: str):
-    path = Path(spec).expanduser()
-    return read_drafter_info(path) if path.is_dir() else None
 
 
 def _column(prompts: datasets.Dataset, name: str) -> list[str]:

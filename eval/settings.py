@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.options import DecodeOptions
 from draftsmith.speculative.sampling import SamplingParams
 
 # A greedy divergence whose target logit margin (top-1 minus top-2 at the first differing position) is
@@ -93,6 +94,12 @@ class EvalSettings:
     @property
     def max_draft_len(self) -> int:
         return max(self.draft_lens)
+
+    def options(self, draft_len: int) -> DecodeOptions:
+        """The decoding options of the sweep's point at draft length D."""
+        return DecodeOptions(max_new_tokens=self.max_new_tokens, draft_len=draft_len,
+                             draft_confidence=self.draft_confidence, draft_alternatives=self.draft_alternatives,
+                             leaf_min_prob=self.leaf_min_prob)
 
     def sampling(self, mode: str, prompt_index: int) -> SamplingParams:
         return parse_mode(mode, seed=self.seed + prompt_index)

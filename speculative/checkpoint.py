@@ -1,5 +1,9 @@
 """The drafter checkpoint format: Hugging Face style directories that say what they were trained for.
 
+Each kind writes and reads its own directory layout (its `DrafterKind.save` / `load`, kinds.py);
+this module holds what they share: the record, the target check, atomic writes and the one-file
+weights layout. The layouts of draftsmith's own kinds:
+
     draft LM   a normal `save_pretrained` directory (config.json, model.safetensors, tokenizer files);
                config.json carries an extra "draftsmith" record, so the directory also loads with
                `AutoModelForCausalLM` and works as `assistant_model` in Hugging Face `generate`.
@@ -22,28 +26,21 @@ crash never leaves a half-written drafter, and an existing non-empty directory i
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from draftsmith.speculative.errors import DraftsmithError, InvalidInputError, ModelLoadError
-from draftsmith.speculative.loading import LoadedModel, check_same_tokenizer, load_model, tokenizer_hash
-from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
-from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
-from draftsmith.speculative.proposers import DraftModelProposer, Proposer
+from draftsmith.speculative import kinds
+from draftsmith.speculative.errors import DraftsmithError, ModelLoadError, first_line
+from draftsmith.speculative.fileio import atomic_directory
+from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
+from draftsmith.speculative.proposers import Proposer
 
 FORMAT_VERSION = 1
 RECORD_KEY = "draftsmith"
-MEDUSA_WEIGHTS = "heads.safetensors"
-EAGLE_WEIGHTS = "eagle.safetensors"
-KINDS = ("draft-lm", "medusa", "eagle")
 
 
 class TargetMismatchError(DraftsmithError):
@@ -52,7 +49,7 @@ class TargetMismatchError(DraftsmithError):
 
 @dataclass
 class DrafterInfo:
-    kind: str  # "draft-lm" | "medusa" | "eagle"
+    kind: str  # a kind with checkpoints in the registry (kinds.py): "draft-lm", "medusa", "eagle", ...
     target_name: str
     target_hash: str
     tokenizer_hash: str
@@ -73,8 +70,9 @@ class DrafterInfo:
             info = cls(**record)
         except TypeError as exc:
             raise ModelLoadError(f"corrupt drafter record in {path}/config.json: {exc}") from None
-        if info.kind not in KINDS:
-            raise ModelLoadError(f"{path} holds an unknown drafter kind '{info.kind}' (known: {', '.join(KINDS)})")
+        known = kinds.names(has_checkpoint=True)
+        if info.kind not in known:
+            raise ModelLoadError(f"{path} holds an unknown drafter kind '{info.kind}' (known: {', '.join(known)})")
         if info.format_version > FORMAT_VERSION:
             raise ModelLoadError(f"{path} was written by a newer draftsmith (format {info.format_version})")
         return info
@@ -83,27 +81,13 @@ class DrafterInfo:
 # --- writing ------------------------------------------------------------------------------------
 
 
-def save_draft_lm(out_dir: Path, model, tokenizer, info: DrafterInfo, *, overwrite: bool = False) -> Path:
-    def write(scratch: Path) -> None:
-        setattr(model.config, RECORD_KEY, asdict(info))
-        try:
-            model.save_pretrained(scratch)
-        finally:
-            delattr(model.config, RECORD_KEY)
-        tokenizer.save_pretrained(scratch)
-
-    return _atomic_write(Path(out_dir), write, overwrite)
+def save_drafter(out_dir: Path, drafter, tokenizer, info: DrafterInfo) -> Path:
+    """Write `drafter` as a checkpoint of its kind (`info.kind`) into a new directory `out_dir`."""
+    return kinds.get(info.kind).save(drafter, Path(out_dir), tokenizer, info)
 
 
-def save_medusa(out_dir: Path, heads: MedusaHeads, tokenizer, info: DrafterInfo, *, overwrite: bool = False) -> Path:
-    return _save_module(out_dir, heads, MEDUSA_WEIGHTS, {"medusa": heads.config()}, tokenizer, info, overwrite)
-
-
-def save_eagle(out_dir: Path, drafter: EagleDrafter, tokenizer, info: DrafterInfo, *, overwrite: bool = False) -> Path:
-    return _save_module(out_dir, drafter, EAGLE_WEIGHTS, {"eagle": drafter.spec()}, tokenizer, info, overwrite)
-
-
-def _save_module(out_dir: Path, module, weights: str, spec: dict, tokenizer, info: DrafterInfo, overwrite: bool) -> Path:
+def save_module(out_dir: Path, module, weights: str, spec: dict, tokenizer, info: DrafterInfo,
+                overwrite: bool = False) -> Path:
     """A drafter whose weights are one safetensors file beside a config.json of its record and spec."""
     def write(scratch: Path) -> None:
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
@@ -112,31 +96,14 @@ def _save_module(out_dir: Path, module, weights: str, spec: dict, tokenizer, inf
         (scratch / "config.json").write_text(json.dumps(record, indent=2) + "\n")
         tokenizer.save_pretrained(scratch)
 
-    return _atomic_write(Path(out_dir), write, overwrite)
+    return atomic_write(Path(out_dir), write, overwrite)
 
 
-def _atomic_write(out_dir: Path, write, overwrite: bool) -> Path:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise InvalidInputError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise InvalidInputError(f"{out_dir} already holds files; choose another output directory")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    except OSError as exc:
-        raise InvalidInputError(f"cannot write to {out_dir.parent}: {exc.strerror or exc}") from None
-    try:
+def atomic_write(out_dir: Path, write, overwrite: bool = False) -> Path:
+    """Call `write(scratch)` on a new directory beside `out_dir`, then rename it into place."""
+    with atomic_directory(Path(out_dir), overwrite=overwrite) as scratch:
         write(scratch)
-        if out_dir.is_dir():  # empty, or overwrite asked for: move the old one aside, then drop it
-            old = out_dir.with_name(f".{out_dir.name}-old-{os.getpid()}")
-            os.rename(out_dir, old)
-            os.rename(scratch, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(scratch, out_dir)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return out_dir
+    return Path(out_dir)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -167,62 +134,31 @@ def check_target(info: DrafterInfo, target: LoadedModel, path, *, allow_mismatch
         )
 
 
-def load_drafter(path: str | Path, target: LoadedModel, *, allow_target_mismatch: bool = False,
-                 device=None, dtype=None) -> tuple[Proposer, DrafterInfo | None]:
-    """A proposer from a drafter directory: a draftsmith checkpoint (checked against the target) or a
-    plain Hugging Face causal LM with the target's tokenizer (no record, so no target check)."""
+def load_drafter_dir(path: str | Path, target: LoadedModel, *, allow_target_mismatch: bool = False,
+                     device=None, dtype=None) -> tuple[Proposer, DrafterInfo | None]:
+    """A proposer from a drafter directory: a draftsmith checkpoint of any kind (checked against the
+    target) or a plain Hugging Face causal LM with the target's tokenizer (no record, so no target
+    check: a draft LM)."""
     path = Path(path)
-    device = device or target.model.device
-    dtype = dtype or target.model.dtype
     info = read_drafter_info(path)
     if info is not None:
         check_target(info, target, path, allow_mismatch=allow_target_mismatch)
-    if info is not None and info.kind == "medusa":
-        return MedusaProposer(load_medusa_heads(path, target, device=device, dtype=dtype)), info
-    if info is not None and info.kind == "eagle":
-        return EagleProposer(load_eagle(path, target, device=device, dtype=dtype)), info
-    drafter = load_model(str(path), device=device, dtype=dtype)
-    check_same_tokenizer(target.tokenizer, drafter.tokenizer, target.name, str(path))
-    return DraftModelProposer(drafter.model), info
+    kind = kinds.get(info.kind if info is not None else "draft-lm")
+    drafter = kind.load(path, target, device=device, dtype=dtype)
+    return kind.proposer(drafter), info
 
 
-def load_medusa_heads(path: Path, target: LoadedModel, *, device=None, dtype=None) -> MedusaHeads:
-    record = json.loads((path / "config.json").read_text())
-    try:
-        heads = MedusaHeads(**record["medusa"])
-    except (KeyError, TypeError) as exc:
-        raise ModelLoadError(f"corrupt medusa config in {path}/config.json: {exc}") from None
-    lm_head = target.model.get_output_embeddings()
-    if (heads.hidden_size, heads.vocab_size) != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
-        raise ModelLoadError(f"medusa heads in {path} are {heads.hidden_size}x{heads.vocab_size}, the target is "
-                             f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
-    _load_weights(heads, Path(path) / MEDUSA_WEIGHTS, "medusa")
-    heads.attach_lm_head(lm_head)
-    return heads.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
-
-
-def load_eagle(path: Path, target: LoadedModel, *, device=None, dtype=None) -> EagleDrafter:
+def read_spec(path: Path, key: str) -> dict:
+    """The kind's own section of a checkpoint's config.json (`{"medusa": {...}}`), or ModelLoadError."""
     record = json.loads((Path(path) / "config.json").read_text())
-    try:
-        spec = record["eagle"]
-        num_layers = int(spec["num_layers"])
-        sizes = (int(spec["hidden_size"]), int(spec["vocab_size"]))
-        draft_vocab_size = int(spec["draft_vocab_size"]) if spec.get("draft_vocab_size") else None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"corrupt eagle config in {path}/config.json: {exc!r}") from None
-    lm_head = target.model.get_output_embeddings()
-    if sizes != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
-        raise ModelLoadError(f"eagle drafter in {path} is {sizes[0]}x{sizes[1]}, the target is "
-                             f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
-    drafter = EagleDrafter(target.model.config, num_layers, draft_vocab_size)
-    _load_weights(drafter, Path(path) / EAGLE_WEIGHTS, "eagle")
-    drafter.attach_target(target.model)
-    return drafter.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
+    if not isinstance(record.get(key), dict):
+        raise ModelLoadError(f"corrupt {key} config in {path}/config.json: no '{key}' section")
+    return record[key]
 
 
-def _load_weights(module, weights: Path, kind: str) -> None:
+def load_weights(module, weights: Path, kind: str) -> None:
     """All of `module`'s weights from one safetensors file, or a one-line ModelLoadError."""
     try:
         module.load_state_dict(load_file(str(weights)), strict=True)
     except (OSError, SafetensorError, RuntimeError) as exc:
-        raise ModelLoadError(f"cannot load {kind} weights from {weights.parent}: {str(exc).splitlines()[0]}") from None
+        raise ModelLoadError(f"cannot load {kind} weights from {weights.parent}: {first_line(exc)}") from None

@@ -1,4 +1,5 @@
-"""EAGLE-style feature drafter (Li et al. 2024, EAGLE-1) and its chain proposer.
+"""The eagle kind: an EAGLE-style feature drafter (Li et al. 2024, EAGLE-1), its chain proposer,
+checkpoint and training objective.
 
 The target's last hidden state f_t (the final-norm output its lm_head reads, `hidden_states[-1]` in
 transformers) already says most of what the target will write next. The drafter is a few decoder
@@ -20,20 +21,32 @@ Draft vocabulary (optional, as in EAGLE-3 and FR-Spec): the product with the 49k
 of a draft step's cost, so the drafter can draft only among the K tokens most frequent in its training
 answers. Its logits are -inf elsewhere: q is exactly the distribution it drafts from, zero outside
 the K tokens, and verification stays exact (a token it cannot propose is simply never drafted).
+
+Checkpoint: config.json {"draftsmith": record, "eagle": {num_layers, hidden_size, vocab_size,
+draft_vocab_size}}, eagle.safetensors (projection, decoder layers, final norm, the draft vocabulary's
+token ids if any), tokenizer files. Objective: per unrolled draft step k (training-time test), the
+recipe's divergence from the target's next-token distribution plus `feature_weight` times a smooth-L1
+regression onto the target's next feature, weighted `head_decay`**k.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModel
 
+from draftsmith.speculative import kinds
 from draftsmith.speculative.draft_lm import draft_lm_config
+from draftsmith.speculative.errors import ModelLoadError
+from draftsmith.speculative.kinds import DrafterKind, Footprint, kv_bytes_per_token, top1_agreement, weight_bytes
 from draftsmith.speculative.kv import KVState, additive_mask
-from draftsmith.speculative.proposers import Draft, DraftModelProposer, RoundContext, left_pad
+from draftsmith.speculative.proposers import ChainProposer, Draft, RoundContext, left_pad
+
+WEIGHTS = "eagle.safetensors"
 
 
 @dataclass
@@ -157,24 +170,24 @@ class EagleDrafter(nn.Module):
         return EagleOutput(logits=self.draft_logits(predicted), features=predicted)
 
 
-class EagleProposer(DraftModelProposer):
+class EagleProposer(ChainProposer):
     """Chain drafting with an `EagleDrafter`: greedy or sampled like a draft LM (q is the drafter's
     processed distribution), with the same confidence stop.
 
     Per row it keeps the pairs (true feature f_t, token x_{t+1}) not yet in its cache. A round's first
-    draft step feeds them, later steps feed (predicted feature, draft token); `commit` drops every
+    draft step feeds them, later steps feed (predicted feature, draft token); `rollback` drops every
     slot but those true pairs and queues the round's new ones (the target's features at the emitted
     tokens' positions, with the emitted tokens). A row without any pair yet (a one-token prompt's
     first round) feeds a placeholder slot, which is dropped too, and drafts nothing.
     """
 
-    name = "eagle"
+    kind = name = "eagle"
     needs_target_states = True
 
     def __init__(self, drafter: EagleDrafter, device=None):
         super().__init__(drafter, device)
         self.pending_features: list[torch.Tensor] = []  # per row: [n, H] true features, pairs with pending
-        self._states: list[torch.Tensor] = []  # the target's states handed over for the next commit
+        self._states: list[torch.Tensor] = []  # the target's states handed over for the next rollback
         self._first_valid: torch.Tensor | None = None  # [B, T] real pairs among the first step's slots
         self._features: torch.Tensor | None = None  # inputs of the next draft step's slots
         self._after_prefill = False
@@ -191,13 +204,13 @@ class EagleProposer(DraftModelProposer):
         states = [s.to(self.device, dtype).reshape(-1, hidden) for s in states]
         if self._after_prefill:  # the prompts' states: they pair with the prompts' tokens
             self.pending_features, self._after_prefill = states, False
-        else:  # a round's states: they pair with its emitted tokens, at commit
+        else:  # a round's states: they pair with its emitted tokens, at rollback
             self._states = states
 
-    def propose(self, ctx: RoundContext, draft_len: int) -> Draft:
+    def propose(self, ctx: RoundContext) -> Draft:
         # A row with no true pair yet has nothing to draft from.
         max_lens = [m if p else 0 for m, p in zip(ctx.max_lens, self.pending)]
-        return super().propose(dataclasses.replace(ctx, max_lens=max_lens), draft_len)
+        return super().propose(dataclasses.replace(ctx, max_lens=max_lens))
 
     def _draft_inputs(self):
         tokens, self._first_valid = left_pad(self.pending, self.device)  # some row has pairs (see propose)
@@ -208,7 +221,7 @@ class EagleProposer(DraftModelProposer):
             if len(f):
                 self._features[b, width - len(f):] = f
         valid = self._first_valid.clone()
-        valid[:, -1] = True  # a placeholder slot for rows without pairs: dropped at commit
+        valid[:, -1] = True  # a placeholder slot for rows without pairs: dropped at rollback
         return tokens, valid
 
     def _draft_forward(self, tokens, valid):
@@ -216,7 +229,7 @@ class EagleProposer(DraftModelProposer):
         self._features = out.features  # [B, 1, H]: the guess the next step builds on
         return out.logits
 
-    def commit(self, num_accepted, emitted):
+    def rollback(self, num_accepted, emitted):
         if self._fed_drafts >= 0:  # drop the draft slots and placeholders; the true pairs stay
             first = self._first_valid
             drafts = torch.zeros(first.shape[0], self._fed_drafts, dtype=torch.bool, device=self.device)
@@ -232,3 +245,149 @@ class EagleProposer(DraftModelProposer):
         keep = rows.tolist()
         self.pending = [self.pending[i] for i in keep]
         self.pending_features = [self.pending_features[i] for i in keep]
+
+
+class EagleForTraining(nn.Module):
+    def __init__(self, drafter: EagleDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids, features, attention_mask, positions, steps: int = 1):
+        """Pairs (features[b, t], input_ids[b, t]) -> per draft step k = 1..steps, (logits [N, V],
+        predicted features [N, H]) at positions [N, 2] (row, t). With a draft vocabulary the logits are
+        its K tokens' only ([N, K]): the loss is over what the drafter can propose, and the lm_head
+        product is K/V as large."""
+        if steps == 1:
+            predicted = [self.drafter.predict_features(input_ids, features, attention_mask)]
+        else:
+            predicted = self.drafter.predict_unrolled(input_ids, features, attention_mask, steps)
+        out = []
+        for step in predicted:
+            guess = step[positions[:, 0], positions[:, 1]]
+            if self.drafter.draft_vocab is not None:
+                out.append((self.drafter.draft_vocab_logits(guess), guess))
+            else:
+                out.append((self.drafter.lm_head(guess), guess))
+        return out
+
+
+def vocab_slots(vocab: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Token ids -> their index in the sorted draft vocabulary, -100 (ignored by cross-entropy, never
+    an argmax) for tokens outside it."""
+    slot = torch.searchsorted(vocab, token_ids).clamp(max=len(vocab) - 1)
+    return torch.where(vocab[slot] == token_ids, slot, -100)
+
+
+@torch.no_grad()
+def to_draft_vocab(vocab, teacher_logits, teacher_probs):
+    """The teacher restricted to the draft vocabulary's tokens: online logits are renormalised over them
+    by the loss's softmax, offline probabilities here (the mass outside cannot be drafted)."""
+    if teacher_logits is not None:
+        return teacher_logits[:, vocab], None
+    probs = teacher_probs[:, vocab]
+    return None, probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+
+
+@kinds.register
+class EagleKind(DrafterKind):
+    name = "eagle"
+    has_checkpoint = True
+    trainable = True
+    needs_teacher_hidden = True
+
+    def save(self, drafter, out_dir, tokenizer, info):
+        from draftsmith.speculative.checkpoint import save_module
+
+        return save_module(out_dir, drafter, WEIGHTS, {"eagle": drafter.spec()}, tokenizer, info)
+
+    def load(self, path, target, *, device=None, dtype=None):
+        from draftsmith.speculative.checkpoint import load_weights, read_spec
+
+        spec = read_spec(path, "eagle")
+        try:
+            num_layers = int(spec["num_layers"])
+            sizes = (int(spec["hidden_size"]), int(spec["vocab_size"]))
+            draft_vocab_size = int(spec["draft_vocab_size"]) if spec.get("draft_vocab_size") else None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt eagle config in {path}/config.json: {exc!r}") from None
+        lm_head = target.model.get_output_embeddings()
+        if sizes != (lm_head.weight.shape[1], lm_head.weight.shape[0]):
+            raise ModelLoadError(f"eagle drafter in {path} is {sizes[0]}x{sizes[1]}, the target is "
+                                 f"{lm_head.weight.shape[1]}x{lm_head.weight.shape[0]}")
+        drafter = EagleDrafter(target.model.config, num_layers, draft_vocab_size)
+        load_weights(drafter, Path(path) / WEIGHTS, "eagle")
+        drafter.attach_target(target.model)
+        return drafter.to(device=device or lm_head.weight.device, dtype=dtype or lm_head.weight.dtype).eval()
+
+    def proposer(self, drafter):
+        return EagleProposer(drafter)
+
+    def footprint(self, proposer, target):
+        element = next(proposer.model.parameters()).element_size()
+        return Footprint(weight_bytes(proposer.model, exclude=target),
+                         kv_bytes_per_token(proposer.model.config, element_size=element),
+                         "own layers; embeddings and lm_head shared with the target")
+
+    def identity(self, proposer):
+        from draftsmith.speculative.loading import state_dict_hash
+
+        return {"weight_hash": state_dict_hash(proposer.model), "shares_target_weights": False}
+
+    def draft_model(self, proposer):
+        return proposer.model
+
+    def modules(self, proposer):
+        return [proposer.model]
+
+    def build(self, recipe, target):
+        cfg = recipe.drafter
+        if cfg.init_from:
+            drafter = self.load(Path(cfg.init_from), target)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(recipe.train.seed)
+                drafter = EagleDrafter(target.model.config, cfg.num_layers)
+            drafter.attach_target(target.model, init_norm=True)
+        lm_head = target.model.get_output_embeddings()
+        return drafter.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).train()
+
+    def prepare(self, drafter, train_rows, recipe):
+        if recipe.drafter.draft_vocab:
+            vocab = kinds.frequent_answer_tokens(train_rows, recipe.drafter.draft_vocab)
+            drafter.set_draft_vocab(vocab.to(next(drafter.parameters()).device))
+
+    def training_module(self, drafter):
+        return EagleForTraining(drafter)
+
+    def objective(self, module, drafter, batch, teacher, recipe):
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        hidden = teacher.hidden(batch)  # [B, L, H], no grad
+        dtype = next(module.parameters()).dtype
+        vocab = drafter.draft_vocab
+        # Slot t pairs the target's feature f_t with token t + 1; its output guesses f_{t+1}, whose
+        # lm_head output predicts token t + 2 (an answer token at the positions that count). Draft step
+        # k > 1 at slot t guesses the same from the drafter's own earlier guesses (predict_unrolled).
+        cfg = recipe.loss
+        positions = batch["loss_mask"][:, 2:].bool().nonzero()  # [N, 2]: (row, t)
+        positions = positions[positions[:, 1] >= cfg.draft_steps - 1]  # slots every step has a round for
+        rows, t = positions[:, 0], positions[:, 1]
+        features = hidden[:, :-1].to(dtype)
+        if cfg.feature_noise:
+            features = features + (torch.rand_like(features) * 2 - 1) * cfg.feature_noise
+        steps = module(ids[:, 1:], features, mask[:, 1:], positions, cfg.draft_steps)
+        teacher_logits, teacher_probs = teacher.at(torch.stack([rows, t + 1], dim=1), batch, hidden=hidden)
+        labels = ids[rows, t + 2]
+        teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
+        if vocab is not None:  # the student's logits are the draft vocabulary's: the teacher's and labels too
+            teacher_logits, teacher_probs = to_draft_vocab(vocab, teacher_logits, teacher_probs)
+            labels, teacher_top = vocab_slots(vocab, labels), vocab_slots(vocab, teacher_top)
+        true_features = hidden[rows, t + 1].float()
+        total, weights, metrics = 0.0, 0.0, {}
+        for k, (student, predicted) in enumerate(steps):
+            token_loss = teacher.loss(student, labels, teacher_logits=teacher_logits, teacher_probs=teacher_probs)
+            feature_loss = torch.nn.functional.smooth_l1_loss(predicted.float(), true_features)
+            weight = cfg.head_decay ** k
+            total, weights = total + weight * (token_loss + cfg.feature_weight * feature_loss), weights + weight
+            metrics[f"agreement/pos{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
+            metrics[f"loss/feature{'' if k == 0 else k + 1}"] = float(feature_loss.detach())
+        return total / weights, int(positions.shape[0]), metrics

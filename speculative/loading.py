@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from draftsmith.speculative import embedded, tiny
 from draftsmith.speculative.embedded import EMBEDDED_DEFAULT
 from draftsmith.speculative.errors import ModelLoadError, TokenizerMismatchError, first_line
-from draftsmith.speculative.fileio import atomic_directory
+from draftsmith.speculative.fileio import atomic_directory, atomic_write_json
 
 try:  # newer transformers can keep GGUF weights packed; the conversion needs plain tensors
     from transformers import GgufConfig
@@ -50,6 +50,7 @@ except ImportError:  # older releases always dequantize
     GgufConfig = None
 
 CONVERSION_RECORD = "draftsmith_conversion.json"
+WEIGHT_HASH_RECORD = ".draftsmith-weight-hash.json"  # a model directory's state_dict_hash, cached beside it
 _SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 # What a hub id looks like ("gpt2", "org/name"). A spec that names nothing on disk and is not of
 # this shape is taken for a mistyped path, so the user hears "no such file" rather than a hub error.
@@ -82,19 +83,48 @@ class LoadedModel:
     _weight_hash: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def weight_hash(self) -> str:
-        """`state_dict_hash` of the model, computed on the first call and cached on this object.
+        """`state_dict_hash` of the model, computed once per model directory and cached.
 
-        For a converted GGUF, the hash recorded at conversion time is reused (it does not depend on
-        the dtype the model is loaded in), which spares hashing every weight on every load.
+        For a converted GGUF, the hash recorded at conversion time is reused. For another local
+        directory it is written beside the weights (WEIGHT_HASH_RECORD, keyed by the weight files'
+        names, sizes and modification times, so an edited file is hashed again); an 8B target is then
+        not read whole on every drafter load. The hash does not depend on the dtype the model is
+        loaded in. A directory that cannot be written is hashed per process.
         """
         if self._weight_hash is None:
-            self._weight_hash = self._recorded_weight_hash() or state_dict_hash(self.model)
+            self._weight_hash = self._recorded_weight_hash() or self._cached_weight_hash()
         return self._weight_hash
 
     def _recorded_weight_hash(self) -> str | None:
         if self.path is None or not (self.path / CONVERSION_RECORD).is_file():
             return None
         return json.loads((self.path / CONVERSION_RECORD).read_text()).get("identity_hash")
+
+    def _cached_weight_hash(self) -> str:
+        key = _weight_files_key(self.path) if self.path is not None else None
+        record = self.path / WEIGHT_HASH_RECORD if key is not None else None
+        if record is not None and record.is_file():
+            try:
+                cached = json.loads(record.read_text())
+                if cached.get("files") == key and isinstance(cached.get("hash"), str):
+                    return cached["hash"]
+            except (OSError, ValueError):
+                pass  # unreadable or corrupt: hash again and rewrite it
+        digest = state_dict_hash(self.model)
+        if record is not None:
+            try:
+                atomic_write_json(record, {"files": key, "hash": digest})
+            except OSError:
+                pass  # a read-only directory: the hash stays with this process
+        return digest
+
+
+def _weight_files_key(path: Path) -> list | None:
+    """[name, size, mtime_ns] of every weight file of a model directory, or None if it has none."""
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")) if path.is_dir() else []
+    if not files:
+        return None
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def state_dict_hash(model: torch.nn.Module) -> str:

@@ -78,8 +78,11 @@ def verify_native(
     top_p: torch.Tensor,  # [B] float32; 1 = off
     accept_u: torch.Tensor,  # [B, D] uniforms in [0, 1) for the acceptance tests
     race_exp: torch.Tensor,  # [B, V] Exp(1) noise for the one recovered/bonus token of each row
+    *,
+    validate: bool = True,  # check shapes, ids and NaNs first (host syncs; the runtime does it once per call)
 ) -> VerifyOutput:
-    validate_verify_inputs(target_logits, draft_tokens, draft_lens, draft_probs)
+    if validate:
+        validate_verify_inputs(target_logits, draft_tokens, draft_lens, draft_probs)
     batch, width, vocab = target_logits.shape
     positions = torch.arange(width - 1, device=target_logits.device)
     live = positions[None, :] < draft_lens[:, None]  # [B, D]

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from draftsmith.speculative import kinds
 from draftsmith.speculative.errors import InvalidInputError, first_line
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -28,9 +29,10 @@ class Section(BaseModel):
 
 
 class DrafterConfig(Section):
-    kind: Literal["draft-lm", "medusa", "eagle"] = "draft-lm"
-    """draft-lm: a small causal LM with the target's tokenizer; medusa: heads on the target's hidden state;
-    eagle: decoder layers reading the target's hidden states and the tokens after them (EAGLE-1)."""
+    kind: str = "draft-lm"
+    """A trainable kind of the registry (speculative/kinds.py). draft-lm: a small causal LM with the
+    target's tokenizer; medusa: heads on the target's hidden state; eagle: decoder layers reading the
+    target's hidden states and the tokens after them (EAGLE-1)."""
     init_from: str | None = None
     """Warm start: a draft-LM (any causal LM directory or hub id with the target's tokenizer) or a
     draftsmith Medusa or EAGLE directory to start from, instead of building a fresh drafter from the target."""
@@ -52,6 +54,19 @@ class DrafterConfig(Section):
     draft_vocab: int | None = Field(None, ge=1)
     """eagle: draft only among this many tokens, the most frequent in the training answers (a draft step
     then multiplies only their rows of the lm_head); None drafts from the whole vocabulary."""
+    target_layers: list[int] | None = None
+    """eagle3: the target states the drafter reads, as indices into transformers' `hidden_states`
+    (the states entering those layers), strictly increasing; None = EAGLE-3's [2, L//2, L-3]."""
+    norm_before_residual: bool = False
+    """eagle3: the first layer's residual stream starts from hidden_norm(h) instead of h."""
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        trainable = kinds.names(trainable=True)
+        if kind not in trainable:
+            raise ValueError(f"unknown drafter kind '{kind}' (trainable kinds: {', '.join(trainable)})")
+        return kind
 
 
 class DataColumns(Section):
@@ -227,11 +242,15 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
-        if self.on_policy.fraction > 0 and self.drafter.kind != "draft-lm":
+        generating = kinds.get(self.drafter.kind).generates_text
+        if self.on_policy.fraction > 0 and not generating:
             raise ValueError("on_policy.fraction > 0 needs drafter.kind: draft-lm (heads do not generate)")
         if self.on_policy.fraction > 0 and self.teacher.mode != "online":
             raise ValueError("on_policy.fraction > 0 needs teacher.mode: online (on-policy answers are scored live)")
-        if self.lora.enabled and self.drafter.kind != "draft-lm":
+        if self.teacher.mode != "online" and getattr(kinds.get(self.drafter.kind), "online_teacher_only", False):
+            raise ValueError(f"drafter.kind: {self.drafter.kind} needs teacher.mode: online (the offline teacher cache "
+                             "holds no states of the layers it reads)")
+        if self.lora.enabled and not generating:
             raise ValueError("lora.enabled needs drafter.kind: draft-lm")
         if self.loss.head_weights is not None and len(self.loss.head_weights) != self.drafter.num_heads:
             raise ValueError(f"loss.head_weights has {len(self.loss.head_weights)} entries for "

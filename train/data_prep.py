@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import torch
 
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import regenerate
@@ -23,6 +22,8 @@ from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_
 from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
 from draftsmith.data.stream import stream_conversations
 from draftsmith.data.teacher import ConcatTeacher, TeacherCache, cache_teacher_signals
+from draftsmith.speculative import kinds
+from draftsmith.speculative.kinds import frequent_answer_tokens  # noqa: F401  (used by tests)
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
 from draftsmith.train.config import Recipe
@@ -173,7 +174,7 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     if recipe.teacher.mode == "offline":
         caches = [cache_teacher_signals(target, part, cache_root / f"teacher-{part_key}-{cfg.max_length}"
                                         f"-k{recipe.teacher.top_k}", top_k=recipe.teacher.top_k,
-                                        hidden=recipe.drafter.kind in ("medusa", "eagle"), progress=progress and is_main)
+                                        hidden=kinds.get(recipe.drafter.kind).needs_teacher_hidden, progress=progress and is_main)
                   for part_key, part in parts]
         teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
@@ -194,13 +195,3 @@ def strip_answers(messages: list[dict]) -> list[dict]:
     while end > 0 and messages[end - 1]["role"] == "assistant":
         end -= 1
     return messages[:end]
-
-
-def frequent_answer_tokens(dataset: datasets.Dataset, count: int) -> torch.Tensor:
-    """The `count` token ids most frequent among the answer tokens (ties: lower id first)."""
-    answers = [torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)] for row in dataset]
-    if not answers or sum(len(a) for a in answers) == 0:
-        raise InvalidInputError("no answer tokens to choose a draft vocabulary from")
-    counts = torch.bincount(torch.cat(answers).to(torch.int64))
-    order = torch.sort(counts, descending=True, stable=True).indices
-    return order[: min(count, int((counts > 0).sum()))]

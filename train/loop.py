@@ -21,7 +21,6 @@ with the weights of an uninterrupted run.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import resource
 import shutil
@@ -40,21 +39,20 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
-from draftsmith.speculative.checkpoint import DrafterInfo, save_draft_lm, save_eagle, save_medusa
-from draftsmith.speculative.eagle import EagleDrafter
+from draftsmith.speculative import kinds
+from draftsmith.speculative.checkpoint import DrafterInfo, save_drafter
 from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.fileio import atomic_file, atomic_write_json
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
-from draftsmith.speculative.medusa import MedusaHeads
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
 from draftsmith.train.al_eval import acceptance_length
 from draftsmith.train.config import Recipe
-from draftsmith.train.data_prep import TrainingData, frequent_answer_tokens, prepare_data
-from draftsmith.train.losses import distill_loss, top1_agreement
-from draftsmith.train.modules import (
-    DraftLMForTraining, EagleForTraining, MedusaForTraining, build_drafter, final_drafter, freeze, inference_model,
-)
+from draftsmith.train.data_prep import TrainingData, prepare_data
+from draftsmith.train.losses import distill_loss
+from draftsmith.train.modules import build_drafter, freeze
+from draftsmith.speculative.options import DecodeOptions
 
 
 @dataclass
@@ -96,10 +94,10 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
     with accelerator.main_process_first():
         data = prepare_data(recipe, target, is_main=is_main, progress=progress)
 
+    kind = kinds.get(recipe.drafter.kind)
     drafter = build_drafter(recipe, target)
-    if isinstance(drafter, EagleDrafter) and recipe.drafter.draft_vocab:
-        drafter.set_draft_vocab(frequent_answer_tokens(data.train, recipe.drafter.draft_vocab).to(accelerator.device))
-    module = training_module(drafter)
+    kind.prepare(drafter, data.train, recipe)
+    module = kind.training_module(drafter)
     trainable = [p for p in module.parameters() if p.requires_grad]
     if not trainable:
         raise InvalidInputError("the recipe leaves no drafter parameter trainable")
@@ -119,7 +117,7 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
                disable=not (progress and is_main), dynamic_ncols=True)
     while state.step < recipe.train.steps:
         t0 = time.perf_counter()
-        metrics = train_step(module, optimizer, scheduler, accelerator, target, data, recipe, state.step)
+        metrics = train_step(module, drafter, optimizer, scheduler, accelerator, target, data, recipe, state.step)
         state.step += 1
         state.train_seconds += time.perf_counter() - t0
         state.tokens_trained += metrics.pop("tokens")
@@ -148,34 +146,27 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
             al_after = restore_if_better(drafter, state, al_after, out)
         summary = training_summary(recipe, state, al_after, data, resumed)
         save_final(drafter, target, recipe, summary, out, lineage)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_json(out / "summary.json", summary)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
 
 
-def training_module(drafter):
-    if isinstance(drafter, MedusaHeads):
-        return MedusaForTraining(drafter)
-    if isinstance(drafter, EagleDrafter):
-        return EagleForTraining(drafter)
-    return DraftLMForTraining(drafter)
-
-
 # --- one optimizer step ---------------------------------------------------------------------------
 
 
-def train_step(module, optimizer, scheduler, accelerator, target, data, recipe, step) -> dict:
+def train_step(module, drafter, optimizer, scheduler, accelerator, target, data, recipe, step) -> dict:
     accum = recipe.train.grad_accum
+    kind, teacher = kinds.get(recipe.drafter.kind), Teacher(target, data, recipe)
     totals = {"loss": 0.0, "tokens": 0}
     agreement: dict[str, list[float]] = {}
     for micro in range(accum):
         batch = micro_batch(data, recipe, step, micro, accelerator)
         if recipe.on_policy.fraction > 0:
-            batch = with_on_policy_answers(batch, module, accelerator, target, recipe, step, micro)
+            batch = with_on_policy_answers(batch, drafter, accelerator, target, recipe, step, micro)
         sync = micro == accum - 1
         with accelerator.no_sync(module) if not sync else nullcontext():
-            loss, tokens, agree = compute_loss(module, batch, target, data, recipe, accelerator)
+            loss, tokens, agree = kind.objective(module, drafter, batch, teacher, recipe)
             accelerator.backward(loss / accum)
         totals["loss"] += loss.item() / accum
         totals["tokens"] += tokens
@@ -210,100 +201,33 @@ def epoch_order(seed: int, epoch: int, count: int) -> list[int]:
     return torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
 
 
-def compute_loss(module, batch, target, data, recipe, accelerator):
-    unwrapped = accelerator.unwrap_model(module)
-    if isinstance(unwrapped, MedusaForTraining):
-        return medusa_loss(module, batch, target, data, recipe)
-    if isinstance(unwrapped, EagleForTraining):
-        return eagle_loss(module, batch, target, data, recipe, unwrapped.drafter.draft_vocab)
-    return draft_lm_loss(module, batch, target, data, recipe)
+class Teacher:
+    """The target's signals for a kind's objective (kinds.Teacher): online from a no-grad target pass,
+    or offline from the teacher cache's rows; and the recipe's divergence."""
 
+    def __init__(self, target, data: TrainingData, recipe: Recipe):
+        self.target, self.data, self.recipe = target, data, recipe
 
-def draft_lm_loss(module, batch, target, data, recipe):
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    positions = batch["loss_mask"][:, 1:].bool().nonzero()  # [N, 2]: (row, t) where t predicts answer token t+1
-    labels = ids[positions[:, 0], positions[:, 1] + 1]
-    student = module(ids, mask, positions)  # [N, V]
-    teacher_logits, teacher_probs = teacher_at(positions, batch, target, data, recipe)
-    loss = distill_loss(recipe.loss.kind, student, labels=labels, teacher_logits=teacher_logits,
-                        teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
-    teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
-    return loss, int(positions.shape[0]), {"agreement/pos1": float(top1_agreement(student.detach(), teacher_top))}
+    def hidden(self, batch) -> torch.Tensor:
+        return target_hidden(batch, self.target, self.data)
 
+    def at(self, positions, batch, hidden=None):
+        return teacher_at(positions, batch, self.target, self.data, self.recipe, hidden=hidden)
 
-def medusa_loss(module, batch, target, data, recipe):
-    ids = batch["input_ids"]
-    hidden = target_hidden(batch, target, data)  # [B, L, H], no grad
-    dtype = next(module.parameters()).dtype
-    weights = recipe.head_weights()
-    # Head k reads h_t and predicts token t + 2 + k, an answer token; positions: (row, t).
-    positions = [batch["loss_mask"][:, k + 2:].bool().nonzero() for k in range(len(weights))]
-    students = module([hidden[p[:, 0], p[:, 1]].to(dtype) for p in positions])
-    total, tokens, agree = 0.0, 0, {}
-    for k, (weight, pos, student) in enumerate(zip(weights, positions, students)):
-        rows, t = pos[:, 0], pos[:, 1]
-        # The target's own distribution for that token comes from position t + 1 + k.
-        teacher_logits, teacher_probs = teacher_at(torch.stack([rows, t + k + 1], dim=1), batch, target, data,
-                                                   recipe, hidden=hidden)
-        loss = distill_loss(recipe.loss.kind, student, labels=ids[rows, t + k + 2], teacher_logits=teacher_logits,
-                            teacher_probs=teacher_probs, temperature=recipe.loss.temperature, beta=recipe.loss.beta)
-        total = total + weight * loss
-        tokens += int(pos.shape[0])
-        teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
-        agree[f"agreement/head{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
-    return total / sum(weights), tokens, agree
+    @torch.no_grad()
+    def states(self, batch, layers) -> torch.Tensor:
+        """[B, L, len(layers) * H]: the target's `hidden_states[i]` for i in `layers` (the states entering
+        those layers; -1 is the last, final-norm state), concatenated, from one online pass."""
+        if self.data.teacher is not None:
+            raise InvalidInputError("target states of chosen layers need teacher.mode: online")
+        decoder = self.target.model.get_decoder()
+        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+        return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
-
-def eagle_loss(module, batch, target, data, recipe, vocab=None):
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    hidden = target_hidden(batch, target, data)  # [B, L, H], no grad
-    dtype = next(module.parameters()).dtype
-    # Slot t pairs the target's feature f_t with token t + 1; its output guesses f_{t+1}, whose lm_head
-    # output predicts token t + 2 (an answer token at the positions that count). Draft step k > 1 at
-    # slot t guesses the same from the drafter's own earlier guesses (see predict_unrolled).
-    cfg = recipe.loss
-    positions = batch["loss_mask"][:, 2:].bool().nonzero()  # [N, 2]: (row, t)
-    positions = positions[positions[:, 1] >= cfg.draft_steps - 1]  # slots every step has a round for
-    rows, t = positions[:, 0], positions[:, 1]
-    features = hidden[:, :-1].to(dtype)
-    if cfg.feature_noise:
-        features = features + (torch.rand_like(features) * 2 - 1) * cfg.feature_noise
-    steps = module(ids[:, 1:], features, mask[:, 1:], positions, cfg.draft_steps)
-    next_positions = torch.stack([rows, t + 1], dim=1)
-    teacher_logits, teacher_probs = teacher_at(next_positions, batch, target, data, recipe, hidden=hidden)
-    labels = ids[rows, t + 2]
-    teacher_top = (teacher_logits if teacher_logits is not None else teacher_probs).argmax(-1)
-    if vocab is not None:  # the student's logits are the draft vocabulary's: the teacher's and labels too
-        teacher_logits, teacher_probs = to_draft_vocab(vocab, teacher_logits, teacher_probs)
-        labels, teacher_top = vocab_slots(vocab, labels), vocab_slots(vocab, teacher_top)
-    true_features = hidden[rows, t + 1].float()
-    total, weights, metrics = 0.0, 0.0, {}
-    for k, (student, predicted) in enumerate(steps):
-        token_loss = distill_loss(cfg.kind, student, labels=labels, teacher_logits=teacher_logits,
-                                  teacher_probs=teacher_probs, temperature=cfg.temperature, beta=cfg.beta)
-        feature_loss = torch.nn.functional.smooth_l1_loss(predicted.float(), true_features)
-        weight = cfg.head_decay ** k
-        total, weights = total + weight * (token_loss + cfg.feature_weight * feature_loss), weights + weight
-        metrics[f"agreement/pos{k + 1}"] = float(top1_agreement(student.detach(), teacher_top))
-        metrics[f"loss/feature{'' if k == 0 else k + 1}"] = float(feature_loss.detach())
-    return total / weights, int(positions.shape[0]), metrics
-
-
-def vocab_slots(vocab: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Token ids -> their index in the sorted draft vocabulary, -100 (ignored by cross-entropy, never
-    an argmax) for tokens outside it."""
-    slot = torch.searchsorted(vocab, token_ids).clamp(max=len(vocab) - 1)
-    return torch.where(vocab[slot] == token_ids, slot, -100)
-
-
-@torch.no_grad()
-def to_draft_vocab(vocab, teacher_logits, teacher_probs):
-    """The teacher restricted to the draft vocabulary's tokens: online logits are renormalised over them
-    by the loss's softmax, offline probabilities here (the mass outside cannot be drafted)."""
-    if teacher_logits is not None:
-        return teacher_logits[:, vocab], None
-    probs = teacher_probs[:, vocab]
-    return None, probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+    def loss(self, student, labels, *, teacher_logits=None, teacher_probs=None) -> torch.Tensor:
+        cfg = self.recipe.loss
+        return distill_loss(cfg.kind, student, labels=labels, teacher_logits=teacher_logits,
+                            teacher_probs=teacher_probs, temperature=cfg.temperature, beta=cfg.beta)
 
 
 @torch.no_grad()
@@ -340,14 +264,14 @@ def padded_cache_field(batch, data, name) -> torch.Tensor:  # [B, L, width] from
 
 
 @torch.no_grad()
-def with_on_policy_answers(batch, module, accelerator, target, recipe, step, micro) -> dict:
+def with_on_policy_answers(batch, drafter, accelerator, target, recipe, step, micro) -> dict:
     """Replace the answers of a deterministic share of rows by the drafter's own samples."""
     cfg = recipe.on_policy
     g = torch.Generator().manual_seed(recipe.train.seed * 7919 + step * 131 + micro)
     chosen = (torch.rand(batch["input_ids"].shape[0], generator=g) < cfg.fraction).tolist()
     if not any(chosen):
         return batch
-    drafter = inference_model(accelerator.unwrap_model(module).model)
+    drafter = kinds.get(recipe.drafter.kind).inference_module(drafter)
     was_training = drafter.training
     drafter.eval()
     rows = []
@@ -360,7 +284,7 @@ def with_on_policy_answers(batch, module, accelerator, target, recipe, step, mic
             seed = recipe.train.seed * 1_000_003 + (step * recipe.train.grad_accum + micro) * 1009 + b
             decoder = SpeculativeDecoder(drafter, None, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
             answer = decoder.generate([prompt], SamplingParams(cfg.temperature, seed=seed),
-                                      max_new_tokens=cfg.max_new_tokens).tokens[0]
+                                      DecodeOptions(max_new_tokens=cfg.max_new_tokens)).tokens[0]
             row = {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer), "index": -1}
         rows.append(row)
     drafter.train(was_training)
@@ -372,7 +296,7 @@ def with_on_policy_answers(batch, module, accelerator, target, recipe, step, mic
 
 
 def evaluate(drafter, target, data, recipe, *, step, accelerator, state=None) -> dict:
-    result = acceptance_length(drafter, target, data.heldout_prompts[: recipe.train.eval_prompts],
+    result = acceptance_length(drafter, recipe.drafter.kind, target, data.heldout_prompts[: recipe.train.eval_prompts],
                                draft_len=recipe.train.eval_draft_len, max_new_tokens=recipe.train.eval_max_new_tokens)
     result["step"] = step
     if state is not None:
@@ -395,9 +319,8 @@ def remember_if_best(drafter, state: TrainerState, out: Path) -> None:
     latest = state.evals[-1]
     if state.best is not None and latest["acceptance_length"] <= state.best["acceptance_length"]:
         return
-    partial = out / (BEST_WEIGHTS + ".partial")
-    safetensors.torch.save_model(drafter, str(partial))  # handles tied weights
-    os.replace(partial, out / BEST_WEIGHTS)
+    with atomic_file(out / BEST_WEIGHTS) as scratch:
+        safetensors.torch.save_model(drafter, str(scratch))  # handles tied weights
     state.best = latest
 
 
@@ -515,10 +438,6 @@ def reached_goal(recipe: Recipe, state: TrainerState, accelerator) -> bool:
 
 
 def save_final(drafter, target, recipe: Recipe, summary: dict, out: Path, lineage: dict | None = None) -> Path:
-    kind = "medusa" if isinstance(drafter, MedusaHeads) else "eagle" if isinstance(drafter, EagleDrafter) else "draft-lm"
-    info = DrafterInfo.for_target(kind, target, recipe=recipe.model_dump(), training=summary, lineage=lineage)
-    if kind == "medusa":
-        return save_medusa(out / "drafter", drafter, target.tokenizer, info)
-    if kind == "eagle":
-        return save_eagle(out / "drafter", drafter, target.tokenizer, info)
-    return save_draft_lm(out / "drafter", final_drafter(drafter), target.tokenizer, info)
+    info = DrafterInfo.for_target(recipe.drafter.kind, target, recipe=recipe.model_dump(), training=summary,
+                                  lineage=lineage)
+    return save_drafter(out / "drafter", drafter, target.tokenizer, info)

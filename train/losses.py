@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftsmith.speculative.kinds import top1_agreement  # noqa: F401  (the metric the kinds report)
+
 LOG_FLOOR = 1e-8
 
 
@@ -70,10 +72,3 @@ def soften(probs: torch.Tensor, temperature: float) -> torch.Tensor:
         return probs
     powered = probs.clamp(min=0) ** (1.0 / temperature)
     return powered / powered.sum(-1, keepdim=True).clamp(min=LOG_FLOOR)
-
-
-def top1_agreement(student_logits: torch.Tensor, teacher_argmax: torch.Tensor) -> torch.Tensor:
-    """Share of positions where the drafter's top token is the target's (ties: lowest index)."""
-    if student_logits.shape[0] == 0:
-        return torch.tensor(float("nan"))
-    return (student_logits.argmax(-1) == teacher_argmax).float().mean()

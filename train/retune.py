@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftsmith.speculative import kinds
 from draftsmith.speculative.checkpoint import read_drafter_info
 from draftsmith.speculative.errors import DraftsmithError, InvalidInputError
 from draftsmith.speculative.loading import load_model
@@ -129,7 +130,7 @@ def retune_recipe(recorded: dict, options: RetuneOptions):
                         warmup_steps=min(raw["train"].get("warmup_steps", 0), max(options.budget_steps // 10, 1)),
                         checkpoint_every=options.eval_every, keep_best=True)
     if options.lora:
-        if raw["drafter"].get("kind") != "draft-lm":
+        if not kinds.get(raw["drafter"].get("kind", "draft-lm")).generates_text:
             raise InvalidInputError("--lora applies to draft-LM drafters; Medusa heads and EAGLE drafters are re-tuned in full")
         raw["lora"]["enabled"] = True
     return validate_recipe(raw, f"the recipe recorded in {options.drafter}")
@@ -138,7 +139,7 @@ def retune_recipe(recorded: dict, options: RetuneOptions):
 def held_out_al(recipe, target, prompts) -> dict:
     """The old drafter's greedy acceptance against `target` on the held-out prompts."""
     drafter = build_drafter(recipe, target)  # init_from = the old drafter, unchanged
-    return acceptance_length(drafter, target, prompts, draft_len=recipe.train.eval_draft_len,
+    return acceptance_length(drafter, recipe.drafter.kind, target, prompts, draft_len=recipe.train.eval_draft_len,
                              max_new_tokens=recipe.train.eval_max_new_tokens)
 
 

@@ -449,9 +449,11 @@ def verify_fused(
     *,
     seeds: torch.Tensor | None = None,  # [B] int64 per-row Philox key
     offsets: torch.Tensor | None = None,  # [B] int64 per-row counter offset, fresh every round
+    validate: bool = True,  # as verify_native's
 ) -> VerifyOutput:
     """`verify_native` as two Triton kernels; identical outputs for the same explicit noise."""
-    validate_verify_inputs(target_logits, draft_tokens, draft_lens, draft_probs)
+    if validate:
+        validate_verify_inputs(target_logits, draft_tokens, draft_lens, draft_probs)
     batch, width, vocab = target_logits.shape
     _check_noise(batch, width, vocab, accept_u, race_exp, seeds, offsets)
     return _verify_fused_unchecked(target_logits, draft_tokens, draft_lens, draft_probs, temperature,

@@ -4,7 +4,6 @@ import json
 
 import datasets
 import pytest
-import torch
 
 import draftsmith.data.regenerate as regen_module
 from draftsmith.data.prompts import load_conversations
@@ -14,7 +13,7 @@ from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import stop_token_ids
-from draftsmith.speculative.proposers import NGramProposer
+from draftsmith.speculative.ngram import NGramProposer
 
 MAX_NEW = 8
 RECORDS = [

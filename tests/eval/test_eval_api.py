@@ -14,6 +14,7 @@ from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.verify import verify_native
+from draftsmith.speculative.options import DecodeOptions
 
 
 def accept_everything(logits, tokens, lens, probs, temperature, top_k, top_p, accept_u, race_exp):
@@ -62,7 +63,7 @@ def test_fidelity_check_tells_exact_from_lossy(target, models, verifier, passes)
     spec = SpeculativeDecoder(target.model, proposer, verifier=verifier)
     plain = SpeculativeDecoder(target.model, None)
     prompts = [[1, 104, 105, 32, 116, 104, 101, 114, 101], [1, 97, 98, 99]]
-    greedy = [plain.generate([p], max_new_tokens=8).tokens[0] for p in prompts]
+    greedy = [plain.generate([p], options=DecodeOptions(max_new_tokens=8)).tokens[0] for p in prompts]
     contexts = make_contexts(prompts, greedy, 4, window=64)
     assert [c["generated_prefix"] for c in contexts] == [int(len(greedy[k % 2]) * (k + 0.5) / 4) for k in range(4)]
     settings = small(modes=["sample:1.0"], fidelity_samples=200)

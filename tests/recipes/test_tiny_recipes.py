@@ -19,6 +19,7 @@ from draftsmith.speculative.loading import load_model
 from draftsmith.train.cli import main as train_main
 from draftsmith.train.config import load_recipe
 from draftsmith.train.loop import train
+from draftsmith.speculative.options import DecodeOptions
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +56,8 @@ def test_trained_drafter_beats_untrained_and_serves_exactly(name, tmp_path, data
     prompts = [[1, 72, 101, 108, 108, 111], [1, 87, 104, 121, 63]]
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=[2])
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=[2])
-    assert decoder.generate(prompts, max_new_tokens=24, draft_len=3).tokens == \
-        plain.generate(prompts, max_new_tokens=24).tokens
+    assert decoder.generate(prompts, options=DecodeOptions(max_new_tokens=24, draft_len=3)).tokens == \
+        plain.generate(prompts, options=DecodeOptions(max_new_tokens=24)).tokens
 
 
 def run_train_subprocess(args, **kwargs):

@@ -4,18 +4,19 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draftsmith.speculative.checkpoint import (
-    DrafterInfo, TargetMismatchError, load_drafter, read_drafter_info, save_draft_lm, save_medusa,
-)
+from draftsmith.speculative.checkpoint import DrafterInfo, TargetMismatchError, load_drafter_dir, read_drafter_info, save_drafter
 from draftsmith.speculative.draft_lm import build_draft_lm
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
-from draftsmith.speculative.proposers import DraftModelProposer, LookupFirstProposer, NGramProposer, truncated_model
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import truncated_model
+from draftsmith.speculative.lookup import LookupFirstProposer
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.sampling import SamplingParams
+from draftsmith.speculative.options import DecodeOptions
 
 PROMPTS = [[1, 72, 101, 108, 108, 111, 32], [1, 65, 66]]
 
@@ -51,7 +52,7 @@ def test_untrained_draft_lm_is_the_early_exit_model(loaded_target):
 def test_draft_lm_checkpoint_round_trip_and_hf_assistant(loaded_target, tmp_path):
     draft = build_draft_lm(loaded_target.model, 1)
     info = DrafterInfo.for_target("draft-lm", loaded_target, recipe={"name": "t"}, training={"steps": 3})
-    out = save_draft_lm(tmp_path / "drafter", draft, loaded_target.tokenizer, info)
+    out = save_drafter(tmp_path / "drafter", draft, loaded_target.tokenizer, info)
     record = read_drafter_info(out)
     assert record.kind == "draft-lm" and record.target_hash == loaded_target.weight_hash()
     assert record.recipe == {"name": "t"}
@@ -59,7 +60,7 @@ def test_draft_lm_checkpoint_round_trip_and_hf_assistant(loaded_target, tmp_path
     assert isinstance(proposer, DraftModelProposer)
     expected = greedy(loaded_target.model, PROMPTS[0])
     decoder = SpeculativeDecoder(loaded_target.model, proposer)
-    assert decoder.generate([PROMPTS[0]], max_new_tokens=16, draft_len=3).tokens[0] == expected
+    assert decoder.generate([PROMPTS[0]], options=DecodeOptions(max_new_tokens=16, draft_len=3)).tokens[0] == expected
     # The same directory is a plain HF model: it works as `assistant_model` in HF generate.
     assistant = AutoModelForCausalLM.from_pretrained(out)
     x = torch.tensor([PROMPTS[0]])
@@ -70,14 +71,14 @@ def test_draft_lm_checkpoint_round_trip_and_hf_assistant(loaded_target, tmp_path
 
 def test_drafter_for_another_target_is_refused(loaded_target, other_target, tmp_path):
     draft = build_draft_lm(loaded_target.model, 1)
-    out = save_draft_lm(tmp_path / "d", draft, loaded_target.tokenizer, DrafterInfo.for_target("draft-lm", loaded_target))
+    out = save_drafter(tmp_path / "d", draft, loaded_target.tokenizer, DrafterInfo.for_target("draft-lm", loaded_target))
     with pytest.raises(TargetMismatchError, match="trained for target 'tiny:0:3'") as err:
         build_proposer(str(out), other_target)
     assert err.value.exit_code == 2 and "\n" not in str(err.value)
     proposer = build_proposer(str(out), other_target, allow_target_mismatch=True)  # exact all the same
     stops = stop_token_ids(other_target.model, other_target.tokenizer)  # HF greedy stops at EOS too
     decoder = SpeculativeDecoder(other_target.model, proposer, stop_token_ids=stops)
-    assert decoder.generate([PROMPTS[1]], max_new_tokens=12, draft_len=2).tokens[0] == greedy(other_target.model, PROMPTS[1], 12)
+    assert decoder.generate([PROMPTS[1]], options=DecodeOptions(max_new_tokens=12, draft_len=2)).tokens[0] == greedy(other_target.model, PROMPTS[1], 12)
 
 
 def test_existing_directory_is_never_overwritten(loaded_target, tmp_path):
@@ -86,7 +87,7 @@ def test_existing_directory_is_never_overwritten(loaded_target, tmp_path):
     (out / "keep.txt").write_text("mine")
     draft = build_draft_lm(loaded_target.model, 1)
     with pytest.raises(InvalidInputError, match="already holds files"):
-        save_draft_lm(out, draft, loaded_target.tokenizer, DrafterInfo.for_target("draft-lm", loaded_target))
+        save_drafter(out, draft, loaded_target.tokenizer, DrafterInfo.for_target("draft-lm", loaded_target))
     assert (out / "keep.txt").read_text() == "mine" and len(list(out.iterdir())) == 1
 
 
@@ -117,17 +118,18 @@ def test_untrained_heads_repeat_the_lm_head(loaded_target):
 def test_medusa_round_trip_and_exact_decoding(loaded_target, tmp_path, own_lm_head):
     target = loaded_target.model
     heads = trained_looking_heads(target, own_lm_head=own_lm_head)
-    out = save_medusa(tmp_path / "heads", heads, loaded_target.tokenizer, DrafterInfo.for_target("medusa", loaded_target))
-    proposer, info = load_drafter(out, loaded_target)
+    out = save_drafter(tmp_path / "heads", heads, loaded_target.tokenizer, DrafterInfo.for_target("medusa", loaded_target))
+    proposer, info = load_drafter_dir(out, loaded_target)
     assert isinstance(proposer, MedusaProposer) and info.kind == "medusa"
     hidden = torch.randn(3, target.config.hidden_size)
     with torch.no_grad():
         torch.testing.assert_close(proposer.heads(hidden), heads(hidden))
     decoder = SpeculativeDecoder(target, proposer)
-    result = decoder.generate(PROMPTS, max_new_tokens=16, draft_len=3)
+    result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=16, draft_len=3))
     assert result.tokens == [greedy(target, p) for p in PROMPTS]
     assert result.stats.rounds > 0
-    sampled = decoder.generate(PROMPTS, SamplingParams(0.8, seed=1), max_new_tokens=8, draft_len=3)
+    sampled = decoder.generate(PROMPTS, SamplingParams(0.8, seed=1), options=DecodeOptions(max_new_tokens=8,
+                                                                                           draft_len=3))
     assert all(len(t) == 8 for t in sampled.tokens)
 
 
@@ -135,8 +137,8 @@ def test_lookup_first_combinations_from_specs_decode_exactly(loaded_target, tmp_
     """`ngram[:MAX[:MIN]]+DIR`: prompt lookup in front of a trained drafter (heads or draft LM)."""
     target = loaded_target.model
     info = DrafterInfo.for_target("medusa", loaded_target)
-    heads_dir = save_medusa(tmp_path / "heads", trained_looking_heads(target), loaded_target.tokenizer, info)
-    lm_dir = save_draft_lm(tmp_path / "lm", build_draft_lm(target, 1), loaded_target.tokenizer,
+    heads_dir = save_drafter(tmp_path / "heads", trained_looking_heads(target), loaded_target.tokenizer, info)
+    lm_dir = save_drafter(tmp_path / "lm", build_draft_lm(target, 1), loaded_target.tokenizer,
                            DrafterInfo.for_target("draft-lm", loaded_target))
     prompts = PROMPTS + [[1, 65, 66, 67, 65, 66, 67, 65, 66]]  # a repeating context: lookup has matches
     expected = [greedy(target, p, 24) for p in prompts]
@@ -144,7 +146,8 @@ def test_lookup_first_combinations_from_specs_decode_exactly(loaded_target, tmp_
         proposer = build_proposer(spec, loaded_target)
         assert isinstance(proposer, LookupFirstProposer)
         assert (proposer.lookup.max_ngram, proposer.lookup.min_ngram) == sizes
-        result = SpeculativeDecoder(target, proposer).generate(prompts, max_new_tokens=24, draft_len=3)
+        result = SpeculativeDecoder(target, proposer).generate(prompts, options=DecodeOptions(max_new_tokens=24,
+                                                                                              draft_len=3))
         assert result.tokens == expected, spec
         assert proposer.lookup_rounds > 0 and proposer.model_rounds > 0, spec
     for bad in ["ngram+ngram", "ngram+", "ngram:0+early-exit:1", f"ngram:x+{lm_dir}"]:
@@ -161,27 +164,27 @@ def test_medusa_heads_see_the_state_that_produced_the_newest_token(loaded_target
     checked = []
     original = MedusaProposer.propose
 
-    def spy(self, ctx, draft_len):
+    def spy(self, ctx):
         newest = target.lm_head(ctx.target_hidden).argmax(-1).tolist()
         assert newest == [h[-1] for h in ctx.history]
         checked.append(len(newest))
-        return original(self, ctx, draft_len)
+        return original(self, ctx)
 
     monkeypatch.setattr(MedusaProposer, "propose", spy)
-    SpeculativeDecoder(target, proposer).generate(PROMPTS, max_new_tokens=16, draft_len=3)
+    SpeculativeDecoder(target, proposer).generate(PROMPTS, options=DecodeOptions(max_new_tokens=16, draft_len=3))
     assert checked  # the heads were consulted, every time with the right state
 
 
 def test_corrupt_checkpoints_give_one_line_errors(loaded_target, tmp_path):
     heads = trained_looking_heads(loaded_target.model)
-    out = save_medusa(tmp_path / "heads", heads, loaded_target.tokenizer, DrafterInfo.for_target("medusa", loaded_target))
+    out = save_drafter(tmp_path / "heads", heads, loaded_target.tokenizer, DrafterInfo.for_target("medusa", loaded_target))
     weights = out / "heads.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="cannot load medusa weights"):
-        load_drafter(out, loaded_target)
+        load_drafter_dir(out, loaded_target)
     (out / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="corrupt"):
-        load_drafter(out, loaded_target)
+        load_drafter_dir(out, loaded_target)
     (out / "config.json").write_text('{"draftsmith": {"kind": "wizard"}}')
     with pytest.raises(ModelLoadError):
-        load_drafter(out, loaded_target)
+        load_drafter_dir(out, loaded_target)

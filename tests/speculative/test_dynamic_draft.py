@@ -10,9 +10,12 @@ import torch
 
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, RoundContext
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.proposers import RoundContext
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
+from draftsmith.speculative.options import DecodeOptions
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100],
@@ -35,7 +38,8 @@ def greedy_chain(model, prompt, steps):
 def context(prompts, draft_len, threshold, params=None):
     params = params or [SamplingParams()] * len(prompts)
     return RoundContext([list(p) for p in prompts], [draft_len] * len(prompts), BatchSampling.from_params(params),
-                        RowGenerators([p.seed for p in params], "cpu"), None, threshold)
+                        RowGenerators([p.seed for p in params], "cpu"),
+                        DecodeOptions(draft_len=draft_len, draft_confidence=threshold))
 
 
 @pytest.mark.parametrize("threshold", [0.2, 0.4, 0.6])
@@ -44,7 +48,7 @@ def test_draft_stops_after_the_first_unconfident_token(target, threshold):
     proposer = EarlyExitProposer(target, 2)
     ctx = context(PROMPTS, draft_len, threshold)
     proposer.begin(ctx.history, ctx.sampling, ctx.rng)
-    draft = proposer.propose(ctx, draft_len)
+    draft = proposer.propose(ctx)
     lens = []
     for b, prompt in enumerate(PROMPTS):
         tokens, confidence = greedy_chain(proposer.model, prompt, draft_len)
@@ -64,9 +68,10 @@ def test_greedy_output_unchanged(kind, threshold, draft_len, target, random_draf
     proposer = {"same": lambda: DraftModelProposer(target), "random": lambda: DraftModelProposer(random_drafter),
                 "early-exit": lambda: EarlyExitProposer(target, 1)}[kind]()
     decoder = SpeculativeDecoder(target, proposer)
-    result = decoder.generate(PROMPTS, max_new_tokens=24, draft_len=draft_len, draft_confidence=threshold)
+    result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=24, draft_len=draft_len,
+                                                             draft_confidence=threshold))
     assert result.tokens == reference
-    fixed = decoder.generate(PROMPTS, max_new_tokens=24, draft_len=draft_len)
+    fixed = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=24, draft_len=draft_len))
     assert result.stats.mean_draft_len <= fixed.stats.mean_draft_len
     if kind == "same" and draft_len > 2:
         assert 1.0 <= result.stats.mean_draft_len < fixed.stats.mean_draft_len  # some drafts were cut
@@ -75,12 +80,14 @@ def test_greedy_output_unchanged(kind, threshold, draft_len, target, random_draf
 def test_sampled_batch_equals_rows_alone_when_rows_stop_at_different_steps(target):
     params = [SamplingParams(0.8, seed=5), SamplingParams(0.0), SamplingParams(1.1, top_p=0.95, seed=9)]
     decoder = SpeculativeDecoder(target, EarlyExitProposer(target, 2))
-    batch = decoder.generate(PROMPTS, params, max_new_tokens=20, draft_len=5, draft_confidence=0.25)
+    batch = decoder.generate(PROMPTS, params, options=DecodeOptions(max_new_tokens=20, draft_len=5,
+                                                                    draft_confidence=0.25))
     assert 1.0 < batch.stats.mean_draft_len < 5.0  # drafts of several lengths in one batch
-    solo = [decoder.generate([p], [s], max_new_tokens=20, draft_len=5, draft_confidence=0.25).tokens[0]
+    solo = [decoder.generate([p], [s], options=DecodeOptions(max_new_tokens=20, draft_len=5, draft_confidence=0.25)).tokens[0]
             for p, s in zip(PROMPTS, params)]
     assert batch.tokens == solo
-    again = decoder.generate(PROMPTS, params, max_new_tokens=20, draft_len=5, draft_confidence=0.25)
+    again = decoder.generate(PROMPTS, params, options=DecodeOptions(max_new_tokens=20, draft_len=5,
+                                                                    draft_confidence=0.25))
     assert again.tokens == batch.tokens
 
 
@@ -98,7 +105,7 @@ def test_medusa_chain_is_cut_after_the_first_unconfident_head(target):
     ctx = context([[1, 2]] * 6, 4, threshold)
     ctx.target_hidden = hidden
     with torch.no_grad():
-        draft = MedusaProposer(heads).propose(ctx, 4)
+        draft = MedusaProposer(heads).propose(ctx)
     for b in range(6):
         expected = next((k + 1 for k in range(4) if top[b, k] < threshold), 4)
         assert int(draft.lens[b]) == expected
@@ -111,4 +118,4 @@ def test_bad_confidence_is_refused(target):
     decoder = SpeculativeDecoder(target, EarlyExitProposer(target, 1))
     for bad in (-0.1, 1.0):
         with pytest.raises(InvalidInputError, match="draft confidence"):
-            decoder.generate(PROMPTS[:1], max_new_tokens=4, draft_confidence=bad)
+            decoder.generate(PROMPTS[:1], options=DecodeOptions(max_new_tokens=4, draft_confidence=bad))

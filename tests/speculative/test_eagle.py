@@ -8,14 +8,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.speculative.checkpoint import DrafterInfo, load_drafter, read_drafter_info, save_eagle
+from draftsmith.speculative.checkpoint import DrafterInfo, load_drafter_dir, read_drafter_info, save_drafter
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
 from draftsmith.speculative.errors import ModelLoadError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
-from draftsmith.speculative.proposers import LookupFirstProposer, NGramProposer
+from draftsmith.speculative.lookup import LookupFirstProposer
+from draftsmith.speculative.ngram import NGramProposer
 from draftsmith.speculative.sampling import SamplingParams
+from draftsmith.speculative.options import DecodeOptions
 
 # Ragged lengths, a one-token prompt (no feature before its first round) and a repeating one (lookup).
 PROMPTS = [[1, 72, 101, 108, 108, 111, 32, 119], [1], [1, 65, 66, 67, 65, 66, 67, 65], [1, 50, 43]]
@@ -39,10 +41,10 @@ class RecordingEagle(EagleProposer):
         super().__init__(drafter)
         self.records = []
 
-    def propose(self, ctx, draft_len):
+    def propose(self, ctx):
         self._context = [list(h) for h in ctx.history]
         self._first = True
-        return super().propose(ctx, draft_len)
+        return super().propose(ctx)
 
     def _draft_forward(self, tokens, valid):
         logits = super()._draft_forward(tokens, valid)
@@ -63,7 +65,8 @@ def test_first_draft_step_equals_a_fresh_pass_over_the_teacher_forced_pairs(load
     recorder = RecordingEagle(drafter)
     proposer = LookupFirstProposer(NGramProposer(3, 2), recorder) if with_lookup else recorder
     params = SamplingParams(0.5, seed=3) if sampled else SamplingParams()
-    result = SpeculativeDecoder(target, proposer).generate(PROMPTS, params, max_new_tokens=MAX_NEW, draft_len=3)
+    result = SpeculativeDecoder(target, proposer).generate(PROMPTS, params, options=DecodeOptions(max_new_tokens=MAX_NEW,
+                                                                                                  draft_len=3))
     # Greedy: most drafts accepted. Sampled: the rows soon leave the learnt continuations, after some.
     assert recorder.records and (result.stats.accepted[0] > 0 if sampled else result.stats.acceptance_length > 1.5)
     if with_lookup:
@@ -85,10 +88,10 @@ def test_first_draft_step_equals_a_fresh_pass_over_the_teacher_forced_pairs(load
 def test_one_token_prompt_drafts_nothing_in_its_first_round(loaded_target, drafter):
     proposer = EagleProposer(drafter)
     decoder = SpeculativeDecoder(loaded_target.model, proposer)
-    solo = decoder.generate([[1]], max_new_tokens=MAX_NEW, draft_len=3)
+    solo = decoder.generate([[1]], options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=3))
     assert solo.stats.emitted_hist[1] >= 1  # the first round emitted one token: nothing was drafted
     assert solo.stats.acceptance_length > 1.5
-    plain = SpeculativeDecoder(loaded_target.model, None).generate([[1]], max_new_tokens=MAX_NEW)
+    plain = SpeculativeDecoder(loaded_target.model, None).generate([[1]], options=DecodeOptions(max_new_tokens=MAX_NEW))
     assert solo.tokens == plain.tokens
 
 
@@ -115,20 +118,20 @@ def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path, draft_voc
     if draft_vocab:
         drafter = with_draft_vocab(drafter, draft_vocab)
     info = DrafterInfo.for_target("eagle", loaded_target, recipe={"name": "t"})
-    out = save_eagle(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
+    out = save_drafter(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
     assert read_drafter_info(out).kind == "eagle"
     assert {p.name for p in out.iterdir()} >= {"config.json", "eagle.safetensors"}
     # The target's embeddings and lm_head are shared, never stored.
     stored = set(load_file(str(out / "eagle.safetensors")))
     assert stored == set(drafter.state_dict()) and not any("embed" in k or "lm_head" in k for k in stored)
-    proposer, loaded_info = load_drafter(out, loaded_target)
+    proposer, loaded_info = load_drafter_dir(out, loaded_target)
     assert isinstance(proposer, EagleProposer) and loaded_info.kind == "eagle"
     for name, tensor in drafter.state_dict().items():
         torch.testing.assert_close(proposer.model.state_dict()[name], tensor)
-    expected = SpeculativeDecoder(loaded_target.model, None).generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
+    expected = SpeculativeDecoder(loaded_target.model, None).generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW)).tokens
     for spec in [str(out), f"ngram+{out}"]:
-        result = SpeculativeDecoder(loaded_target.model, build_proposer(spec, loaded_target)).generate(
-            PROMPTS, max_new_tokens=MAX_NEW, draft_len=4)
+        result = SpeculativeDecoder(loaded_target.model, build_proposer(spec, loaded_target)).generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW,
+                                                                                                                                      draft_len=4))
         assert result.tokens == expected and result.stats.acceptance_length > (1.1 if draft_vocab else 1.5), spec
     if draft_vocab:
         assert json.loads((out / "config.json").read_text())["eagle"]["draft_vocab_size"] == draft_vocab
@@ -137,21 +140,21 @@ def test_eagle_checkpoint_round_trip(loaded_target, drafter, tmp_path, draft_voc
 
 def test_corrupt_or_mismatched_eagle_checkpoints_give_one_line_errors(loaded_target, drafter, tmp_path):
     info = DrafterInfo.for_target("eagle", loaded_target)
-    out = save_eagle(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
+    out = save_drafter(tmp_path / "eagle", drafter, loaded_target.tokenizer, info)
     config = json.loads((out / "config.json").read_text())
     config["eagle"]["hidden_size"] = 32
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="eagle drafter in .* is 32x"):
-        load_drafter(out, loaded_target)
+        load_drafter_dir(out, loaded_target)
     del config["eagle"]
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="corrupt eagle config"):
-        load_drafter(out, loaded_target)
-    out2 = save_eagle(tmp_path / "eagle2", drafter, loaded_target.tokenizer, info)
+        load_drafter_dir(out, loaded_target)
+    out2 = save_drafter(tmp_path / "eagle2", drafter, loaded_target.tokenizer, info)
     weights = out2 / "eagle.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="cannot load eagle weights"):
-        load_drafter(out2, loaded_target)
+        load_drafter_dir(out2, loaded_target)
 
 
 def test_untrained_drafter_outputs_live_on_the_targets_scale(loaded_target):

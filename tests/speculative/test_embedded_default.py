@@ -6,7 +6,8 @@ import torch
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
-from draftsmith.speculative.proposers import EarlyExitProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.options import DecodeOptions
 
 pytestmark = pytest.mark.embedded
 
@@ -33,7 +34,7 @@ def test_early_exit_greedy_equals_plain_greedy(smollm2):
                              eos_token_id=stops, pad_token_id=tok.pad_token_id)
         plain.append(out[0, len(ids):].tolist())
     decoder = SpeculativeDecoder(model, EarlyExitProposer(model, 12), stop_token_ids=stops)
-    solo = [decoder.generate([ids], max_new_tokens=32, draft_len=4).tokens[0] for ids in prompts]
+    solo = [decoder.generate([ids], options=DecodeOptions(max_new_tokens=32, draft_len=4)).tokens[0] for ids in prompts]
     assert solo == plain
-    batch = decoder.generate(prompts, max_new_tokens=32, draft_len=4)
+    batch = decoder.generate(prompts, options=DecodeOptions(max_new_tokens=32, draft_len=4))
     assert batch.tokens == plain

@@ -1,11 +1,14 @@
 """Greedy speculative decoding reproduces the target's own greedy `generate`, token for token."""
 
 import pytest
-import torch
 
 from draftsmith.speculative.eagle import EagleProposer
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.lookup import LookupFirstProposer
+from draftsmith.speculative.ngram import NGramProposer
+from draftsmith.speculative.options import DecodeOptions
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100],
@@ -48,9 +51,9 @@ def make_proposer(kind, target, random_drafter, eagle_drafter=None):
 @pytest.mark.parametrize("draft_len", range(1, 9))
 def test_greedy_matches_target_generate(kind, draft_len, target, random_drafter, eagle_drafter, reference):
     decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter))
-    batch = decoder.generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len)
+    batch = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=draft_len))
     assert batch.tokens == reference
-    solo = decoder.generate([PROMPTS[0]], max_new_tokens=MAX_NEW, draft_len=draft_len)
+    solo = decoder.generate([PROMPTS[0]], options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=draft_len))
     assert solo.tokens == reference[:1]
     stats = batch.stats
     assert stats.rounds >= 2 * len(PROMPTS)  # more than one verification round per row
@@ -77,7 +80,7 @@ def test_stop_token_inside_an_accepted_block(target, reference, draft_len, hf_gr
     expected = hf_greedy(target, PROMPTS[2], MAX_NEW, eos=stop)
     assert expected == ref[: index + 1]
     decoder = SpeculativeDecoder(target, DraftModelProposer(target), stop_token_ids=[stop])
-    result = decoder.generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len)
+    result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=draft_len))
     assert result.tokens[2] == expected  # ends at the stop token; nothing after it
     assert result.finish_reasons[2] == "stop"
     for row, ref_row in zip(result.tokens, reference):  # other rows stop at their own first `stop`, if any
@@ -88,7 +91,7 @@ def test_stop_token_inside_an_accepted_block(target, reference, draft_len, hf_gr
 @pytest.mark.parametrize("max_new", [1, 2, 7])
 def test_budget_inside_an_accepted_block(target, reference, max_new):
     decoder = SpeculativeDecoder(target, DraftModelProposer(target))
-    result = decoder.generate(PROMPTS, max_new_tokens=max_new, draft_len=4)
+    result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=max_new, draft_len=4))
     assert result.tokens == [r[:max_new] for r in reference]
     assert result.finish_reasons == ["length"] * len(PROMPTS)
 
@@ -104,19 +107,21 @@ def test_prefix_is_never_reencoded(target, random_drafter, monkeypatch, alternat
     decoder = SpeculativeDecoder(target, EarlyExitProposer(target, 1))  # before the hook: the view keeps its own
     hook = target.register_forward_pre_hook(lambda m, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
                                             with_kwargs=True)
-    original = gen._Run.accept
+    original = gen._Run.rollback
 
-    def spy(run, out, draft, hidden, path=None):
-        original(run, out, draft, hidden, path)
-        if run.rows:
+    def spy(run, out, draft, emitted, hidden, path):
+        original(run, out, draft, emitted, hidden, path)
+        row = run.rows[0]
+        if run.finish_reasons[row] == "length" and len(run.outputs[row]) < run.options.max_new_tokens:  # not finished
             kv = run.target_kv
             lengths.append((int(kv.lengths[0]), len(run.history[0]) - 1))
             if path is None:  # a chain leaves no holes behind in a batch of one
                 assert kv.cache.get_seq_length() == int(kv.lengths[0])
 
-    monkeypatch.setattr(gen._Run, "accept", spy)
+    monkeypatch.setattr(gen._Run, "rollback", spy)
     try:
-        result = decoder.generate([PROMPTS[2]], max_new_tokens=MAX_NEW, draft_len=4, draft_alternatives=alternatives)
+        result = decoder.generate([PROMPTS[2]], options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=4,
+                                                                      draft_alternatives=alternatives))
     finally:
         hook.remove()
     assert widths[0] == len(PROMPTS[2]) - 1  # the prefill
@@ -136,6 +141,6 @@ def test_ragged_batch_holes_are_compacted(target, random_drafter, monkeypatch, h
     prompts = [PROMPTS[3] * 2, PROMPTS[2], PROMPTS[0] + PROMPTS[3]]  # similar lengths, different acceptance
     reference = [hf_greedy(target, p, 60) for p in prompts]
     decoder = SpeculativeDecoder(target, NGramProposer())
-    result = decoder.generate(prompts, max_new_tokens=60, draft_len=8)
+    result = decoder.generate(prompts, options=DecodeOptions(max_new_tokens=60, draft_len=8))
     assert result.tokens == reference
     assert calls, "the run never compacted its cache"

@@ -12,10 +12,14 @@ from scipy import stats
 
 from draftsmith.speculative.eagle import EagleDrafter, EagleProposer
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer, LookupFirstProposer, NGramProposer
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.lookup import LookupFirstProposer
+from draftsmith.speculative.ngram import NGramProposer
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams, processed_probs
 from draftsmith.speculative.tiny import tiny_model
 from draftsmith.speculative.verify import VerifyOutput, verify_native
+from draftsmith.speculative.options import DecodeOptions
 
 VOCAB, N, PROMPT = 32, 3000, [1, 7, 12, 7, 12, 3]
 
@@ -50,8 +54,8 @@ def exact_marginals(model, params: SamplingParams, positions=3):
 def sample_runtime(target, proposer, params, draft_len=3, verifier=verify_native, draft_confidence=0.0):
     decoder = SpeculativeDecoder(target, proposer, verifier=verifier)
     rows = [SamplingParams(params.temperature, params.top_k, params.top_p, seed=1000 + i) for i in range(N)]
-    result = decoder.generate([PROMPT] * N, rows, max_new_tokens=3, draft_len=draft_len,
-                              draft_confidence=draft_confidence)
+    result = decoder.generate([PROMPT] * N, rows, options=DecodeOptions(max_new_tokens=3, draft_len=draft_len,
+                                                                        draft_confidence=draft_confidence))
     return torch.tensor(result.tokens), result.stats
 
 
@@ -173,12 +177,13 @@ def test_seeded_runs_repeat_and_batches_equal_solo_rows(target, random_drafter, 
     if lookup_first:  # rows switch between lookup and the model at different rounds
         proposer = LookupFirstProposer(NGramProposer(2, 1), proposer)
     decoder = SpeculativeDecoder(target, proposer)
-    first = decoder.generate(prompts, params, max_new_tokens=20, draft_len=3).tokens
-    again = decoder.generate(prompts, params, max_new_tokens=20, draft_len=3).tokens
+    first = decoder.generate(prompts, params, options=DecodeOptions(max_new_tokens=20, draft_len=3)).tokens
+    again = decoder.generate(prompts, params, options=DecodeOptions(max_new_tokens=20, draft_len=3)).tokens
     assert first == again
-    solo = [decoder.generate([p], [s], max_new_tokens=20, draft_len=3).tokens[0] for p, s in zip(prompts, params)]
+    solo = [decoder.generate([p], [s], options=DecodeOptions(max_new_tokens=20, draft_len=3)).tokens[0] for p, s in zip(prompts, params)]
     assert first == solo  # a mixed greedy / sampled batch equals its rows run alone
-    other_seed = decoder.generate(prompts[:1], [SamplingParams(0.9, seed=6)], max_new_tokens=20, draft_len=3).tokens
+    other_seed = decoder.generate(prompts[:1], [SamplingParams(0.9, seed=6)], options=DecodeOptions(max_new_tokens=20,
+                                                                                                    draft_len=3)).tokens
     assert other_seed[0] != first[0]
 
 
@@ -186,8 +191,8 @@ def test_greedy_row_in_sampled_batch_is_exact(target, random_drafter):
     prompt = [1, 72, 101, 108, 108, 111]
     reference = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     decoder = SpeculativeDecoder(target, EarlyExitProposer(target, 2))
-    result = decoder.generate([prompt, prompt], [SamplingParams(1.0, seed=3), SamplingParams(0.0)],
-                              max_new_tokens=16, draft_len=4)
+    result = decoder.generate([prompt, prompt], [SamplingParams(1.0, seed=3), SamplingParams(0.0)], options=DecodeOptions(max_new_tokens=16,
+                                                                                                                          draft_len=4))
     assert result.tokens[1] == reference[0, len(prompt):].tolist()
 
 
@@ -205,7 +210,7 @@ needs_interpreter = pytest.mark.skipif(not fused_kernel_on_cpu(), reason="needs 
 @pytest.mark.parametrize("name", ["random-drafter", "filtered"])
 def test_fused_verifier_draws_in_kernel_and_emits_the_target_distribution(name, small_target, small_drafter):
     params = FILTERED if name == "filtered" else PARAMS
-    assert SpeculativeDecoder(small_target, None, verifier="triton").noise_in_kernel
+    assert SpeculativeDecoder(small_target, None, verifier="triton").verifier.kernel_noise
     tokens, _ = sample_runtime(small_target, DraftModelProposer(small_drafter), params, verifier="triton")
     pvalues = fit_pvalues(tokens, exact_marginals(small_target, params))
     assert len(pvalues) == 3 and min(pvalues) > 1e-3, pvalues
@@ -216,11 +221,12 @@ def test_fused_verifier_seeded_runs_repeat_and_batches_equal_solo_rows(target, r
     prompts = [[1, 72, 105, 33], [1, 65, 66, 67, 68, 69, 70], [1, 40]]
     params = [SamplingParams(0.9, seed=5), SamplingParams(0.0), SamplingParams(1.2, top_k=20, top_p=0.95, seed=9)]
     decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter), verifier="triton")
-    first = decoder.generate(prompts, params, max_new_tokens=8, draft_len=3).tokens
-    assert decoder.generate(prompts, params, max_new_tokens=8, draft_len=3).tokens == first
-    solo = [decoder.generate([p], [s], max_new_tokens=8, draft_len=3).tokens[0] for p, s in zip(prompts, params)]
+    first = decoder.generate(prompts, params, options=DecodeOptions(max_new_tokens=8, draft_len=3)).tokens
+    assert decoder.generate(prompts, params, options=DecodeOptions(max_new_tokens=8, draft_len=3)).tokens == first
+    solo = [decoder.generate([p], [s], options=DecodeOptions(max_new_tokens=8, draft_len=3)).tokens[0] for p, s in zip(prompts, params)]
     assert first == solo
-    greedy = SpeculativeDecoder(target, None).generate(prompts[1:2], max_new_tokens=8).tokens[0]
+    greedy = SpeculativeDecoder(target, None).generate(prompts[1:2], options=DecodeOptions(max_new_tokens=8)).tokens[0]
     assert first[1] == greedy  # the greedy row of the mixed batch is the target's greedy decoding
-    other_seed = decoder.generate(prompts[:1], [SamplingParams(0.9, seed=6)], max_new_tokens=8, draft_len=3).tokens
+    other_seed = decoder.generate(prompts[:1], [SamplingParams(0.9, seed=6)], options=DecodeOptions(max_new_tokens=8,
+                                                                                                    draft_len=3)).tokens
     assert other_seed[0] != first[0]

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.proposers import DraftModelProposer, EarlyExitProposer
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
 from draftsmith.speculative.small_gemm import MAX_ROWS, small_row_linear, small_row_linears
+from draftsmith.speculative.options import DecodeOptions
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -54,11 +56,11 @@ def test_runtime_switch(target, random_drafter, small_gemm):
              for m in (head, draft_head)]
     try:
         decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter), small_gemm=small_gemm)
-        result = decoder.generate([[1, 72, 105, 33, 40]], max_new_tokens=12, draft_len=3)
+        result = decoder.generate([[1, 72, 105, 33, 40]], options=DecodeOptions(max_new_tokens=12, draft_len=3))
     finally:
         for h in hooks:
             h.remove()
     assert seen and all(s == small_gemm for s in seen)
     assert "forward" not in vars(head) and "forward" not in vars(draft_head)
     other = SpeculativeDecoder(target, EarlyExitProposer(target, 1), small_gemm=not small_gemm)
-    assert other.generate([[1, 72, 105, 33, 40]], max_new_tokens=12, draft_len=3).tokens == result.tokens
+    assert other.generate([[1, 72, 105, 33, 40]], options=DecodeOptions(max_new_tokens=12, draft_len=3)).tokens == result.tokens

@@ -13,10 +13,14 @@ import torch
 from draftsmith.speculative.eagle import EagleProposer
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.medusa import MedusaHeads, MedusaProposer
-from draftsmith.speculative.proposers import (Draft, DraftModelProposer, EarlyExitProposer, LookupFirstProposer,
-                                               NGramProposer, Proposer)
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.lookup import LookupFirstProposer
+from draftsmith.speculative.ngram import NGramProposer
+from draftsmith.speculative.proposers import Draft, Proposer
 from draftsmith.speculative.sampling import SamplingParams
 from draftsmith.speculative.tree import Leaves, runner_ups
+from draftsmith.speculative.options import DecodeOptions
 
 PROMPTS = [
     [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100],
@@ -63,8 +67,9 @@ def test_greedy_with_leaves_equals_target_generate(kind, draft_len, target, rand
     results = []
     for alternatives, min_prob in [(0, 0.0), (3, 0.0), (3, 0.05)]:
         decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter))
-        result = decoder.generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len,
-                                  draft_alternatives=alternatives, leaf_min_prob=min_prob)
+        result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=draft_len,
+                                                                 draft_alternatives=alternatives,
+                                                                 leaf_min_prob=min_prob))
         assert result.tokens == reference
         results.append(result.stats)
     chain, tree, _ = results
@@ -98,7 +103,8 @@ class Oracle(Proposer):
         for i, s in zip(self.index, states):
             self.states[i].append(s)
 
-    def propose(self, ctx, draft_len):
+    def propose(self, ctx):
+        draft_len = ctx.options.draft_len
         self.round += 1
         batch = len(ctx.history)
         tokens = torch.zeros(batch, draft_len, dtype=torch.int64)
@@ -127,8 +133,9 @@ def test_the_true_leaf_is_taken_and_its_logits_give_the_bonus(target, continuati
     at the right position and sees the right slots), and the states handed to the drafter must be those
     of a plain forward over the output."""
     oracle = Oracle(continuations, target.config.vocab_size)
-    result = SpeculativeDecoder(target, oracle).generate(PROMPTS, max_new_tokens=MAX_NEW, draft_len=draft_len,
-                                                          draft_alternatives=2)
+    result = SpeculativeDecoder(target, oracle).generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW,
+                                                                                        draft_len=draft_len,
+                                                                                        draft_alternatives=2))
     assert result.tokens == [continuations[tuple(p)][:MAX_NEW] for p in PROMPTS]
     stats = result.stats
     # All rounds but the budget-clipped last ones of each row take the leaf.
@@ -151,8 +158,8 @@ def test_sampled_rows_ignore_leaves(target, random_drafter, continuations):
     outputs = []
     for alternatives in (0, 3):
         decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter), verifier="native")
-        outputs.append(decoder.generate(PROMPTS, params, max_new_tokens=MAX_NEW, draft_len=3,
-                                        draft_alternatives=alternatives).tokens)
+        outputs.append(decoder.generate(PROMPTS, params, options=DecodeOptions(max_new_tokens=MAX_NEW, draft_len=3,
+                                                                               draft_alternatives=alternatives)).tokens)
     assert outputs[0] == outputs[1]
     for b in (0, 2):
         assert outputs[1][b] == continuations[tuple(PROMPTS[b])][:MAX_NEW]
@@ -181,8 +188,10 @@ def test_runner_ups_rank_like_argmax_and_skip_what_cannot_be_leaves():
 
 @pytest.mark.parametrize("kind", ["early-exit", "medusa"])
 def test_leaf_min_prob_near_one_leaves_the_chain_alone(kind, target, random_drafter, eagle_drafter, continuations):
-    runs = [SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter)).generate(
-        PROMPTS, max_new_tokens=MAX_NEW, draft_len=3, draft_alternatives=a, leaf_min_prob=m) for a, m in
+    runs = [SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter)).generate(PROMPTS, options=DecodeOptions(max_new_tokens=MAX_NEW,
+                                                                                                                                           draft_len=3,
+                                                                                                                                           draft_alternatives=a,
+                                                                                                                                           leaf_min_prob=m)) for a, m in
         [(0, 0.0), (3, 0.999), (3, 0.0)]]
     assert runs[0].tokens == runs[1].tokens == runs[2].tokens == [continuations[tuple(p)][:MAX_NEW] for p in PROMPTS]
     assert runs[1].stats.leaf_accepts == 0 and runs[1].stats.rounds == runs[0].stats.rounds

@@ -25,6 +25,9 @@ from draftsmith.speculative.errors import InvalidInputError  # noqa: E402
 from draftsmith.speculative.kernels import select_verifier, verify_fused  # noqa: E402
 from draftsmith.speculative.kernels import verify_triton  # noqa: E402
 from draftsmith.speculative.sampling import filter_logits  # noqa: E402
+from draftsmith.speculative.generate import SpeculativeDecoder  # noqa: E402
+from draftsmith.speculative.options import DecodeOptions  # noqa: E402
+from draftsmith.speculative.tiny import tiny_model  # noqa: E402
 from draftsmith.speculative.verify import verify_native  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -312,9 +315,12 @@ def test_select_verifier_modes(monkeypatch):
         select_verifier("cpu", "fast")
 
 
-def test_select_verifier_env_override(monkeypatch):
+def test_select_verifier_env_chooses_only_without_an_explicit_mode(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "native")
-    assert select_verifier("cuda", "triton") is verify_native
+    assert select_verifier("cuda") is verify_native
+    assert select_verifier("cuda", "triton") is verify_fused  # an explicit mode wins over the environment
+    assert SpeculativeDecoder(tiny_model(0), verifier="triton").verifier.kernel_noise
+    assert not SpeculativeDecoder(tiny_model(0)).verifier.kernel_noise  # the environment's native
     monkeypatch.setenv(kernels.ENV_VAR, "triton")
     assert select_verifier(DEVICE) is verify_fused
     monkeypatch.setenv(kernels.ENV_VAR, "bogus")
@@ -337,10 +343,11 @@ def test_sibling_leaves_with_the_fused_verifier(target):
     """The leaves' extra slots widen the target's logits past the chain's D + 1: the kernel reads the
     chain's part through its strides and must decide exactly what the reference decides."""
     from draftsmith.speculative.generate import SpeculativeDecoder
-    from draftsmith.speculative.proposers import EarlyExitProposer
+    from draftsmith.speculative.early_exit import EarlyExitProposer
 
     prompts = [[1, 72, 101, 108, 108, 111, 32, 119], [1, 50, 43, 50]]
-    runs = [SpeculativeDecoder(target, EarlyExitProposer(target, 2), verifier=mode).generate(
-        prompts, max_new_tokens=16, draft_len=3, draft_alternatives=3) for mode in ("native", "triton")]
+    runs = [SpeculativeDecoder(target, EarlyExitProposer(target, 2), verifier=mode).generate(prompts, options=DecodeOptions(max_new_tokens=16,
+                                                                                                                            draft_len=3,
+                                                                                                                            draft_alternatives=3)) for mode in ("native", "triton")]
     assert runs[0].tokens == runs[1].tokens
     assert runs[1].stats.leaf_accepts == runs[0].stats.leaf_accepts > 0

@@ -70,7 +70,7 @@ def test_draft_vocabulary_losses_equal_the_full_vocabulary_ones_on_its_tokens():
     """Training over the K draft tokens only: cross-entropy equals the full one where the drafter's
     logits are -inf outside the vocabulary (as it drafts), labels outside are ignored, and the offline
     teacher is renormalised over the K tokens as the online teacher's softmax is."""
-    from draftsmith.train.loop import to_draft_vocab, vocab_slots
+    from draftsmith.speculative.eagle import to_draft_vocab, vocab_slots
 
     vocab = torch.tensor([1, 3, 4, 6])
     assert vocab_slots(vocab, torch.tensor([3, 0, 6, 7, 1])).tolist() == [1, -100, 3, -100, 0]

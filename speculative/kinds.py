@@ -1,0 +1,254 @@
+"""The drafter kinds, registered by name: the one place the rest of draftsmith asks about a kind.
+
+A kind (draft LM, early exit, Medusa heads, EAGLE, n-gram lookup, lookup+drafter, ...) lives in one
+module that holds its model, its proposer, its checkpoint I/O, its memory footprint and its training
+objective, and registers one `DrafterKind` under its name:
+
+    @register
+    class MedusaKind(DrafterKind):
+        name = "medusa"
+        ...
+
+The runtime, the trainer, the eval, the memory ledger, the advice and the benchmarks call the
+registry (`get(name)`, `of(proposer)`) and never test a drafter's type. Every proposer carries its
+kind's name in `Proposer.kind`; a trained module is always handled through the kind its recipe or
+checkpoint names.
+
+Adding a kind: one module defining and registering its `DrafterKind` (and the module name in
+`BUILTIN_MODULES`), plus its recipe and tests.
+
+The training objective is written against the `Teacher` protocol below, which `train/` implements:
+the target's signals reach a kind through it, so this core package never imports the trainer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from draftsmith.speculative.errors import InvalidInputError
+
+if TYPE_CHECKING:  # imported for annotations only: the kinds' modules import this one
+    from draftsmith.speculative.checkpoint import DrafterInfo
+    from draftsmith.speculative.loading import LoadedModel
+    from draftsmith.speculative.proposers import Proposer
+
+# The modules that register draftsmith's own kinds, imported on the first registry lookup.
+BUILTIN_MODULES = (
+    "draftsmith.speculative.draft_lm",
+    "draftsmith.speculative.early_exit",
+    "draftsmith.speculative.medusa",
+    "draftsmith.speculative.eagle",
+    "draftsmith.speculative.eagle3",
+    "draftsmith.speculative.ngram",
+    "draftsmith.speculative.lookup",
+)
+
+_REGISTRY: dict[str, "DrafterKind"] = {}
+_loaded = False
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a drafter adds to the target's memory."""
+
+    weight_bytes: int  # weights of its own (shared target weights excluded)
+    kv_bytes_per_token: int  # its KV cache per context token and row
+    note: str  # how it shares with the target, in words
+
+
+class Teacher(Protocol):
+    """The target's signals for a training objective (implemented by the trainer).
+
+    `hidden(batch)`: [B, L, H] the target's last hidden states (no grad). `at(positions, batch,
+    hidden=None)`: (teacher logits [N, V], None) online or (None, probabilities [N, V]) offline, at
+    positions [N, 2] (row, t). `loss(student, labels)`: the recipe's divergence between the student's
+    logits [N, V'] and the teacher given as `teacher_logits=` / `teacher_probs=`."""
+
+    def hidden(self, batch: dict) -> torch.Tensor: ...
+
+    def at(self, positions: torch.Tensor, batch: dict, hidden: torch.Tensor | None = None): ...
+
+    def loss(self, student: torch.Tensor, labels: torch.Tensor, **teacher) -> torch.Tensor: ...
+
+
+class DrafterKind:
+    """One kind of drafter. Subclasses set the class attributes and override what their kind has."""
+
+    name: str = ""
+    # A drafter of this kind is a draftsmith checkpoint directory (else it is built from a spec).
+    has_checkpoint: bool = False
+    # The trainer can train it (`build`, `training_module` and `objective` are defined).
+    trainable: bool = False
+    # Training signals: the teacher cache stores the target's hidden states for it.
+    needs_teacher_hidden: bool = False
+    # Trained modules of this kind generate text on their own (on-policy distillation, LoRA).
+    generates_text: bool = False
+    # Named on the command line as NAME[:ARG] (`from_spec`), not by a directory.
+    from_spec_name: bool = False
+    # Can draft the rows prompt lookup finds nothing for (`ngram+DRAFTER`).
+    behind_lookup: bool = True
+
+    # --- from the command line ---------------------------------------------------------------
+
+    def from_spec(self, arg: str, spec: str, target: "LoadedModel") -> "Proposer":
+        """A training-free proposer from `NAME[:ARG]` on the command line."""
+        raise InvalidInputError(f"'{spec}': a {self.name} drafter is loaded from a directory, not a spec")
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, drafter: nn.Module, out_dir: Path, tokenizer, info: "DrafterInfo") -> Path:
+        raise NotImplementedError(f"{self.name} drafters have no checkpoint")
+
+    def load(self, path: Path, target: "LoadedModel", *, device=None, dtype=None) -> nn.Module:
+        """The drafter module of a checkpoint directory, on the target's device and dtype unless given."""
+        raise NotImplementedError(f"{self.name} drafters have no checkpoint")
+
+    def proposer(self, drafter: nn.Module) -> "Proposer":
+        """The runtime's proposer around a drafter module of this kind (loaded or being trained)."""
+        raise NotImplementedError(f"{self.name} has no drafter module")
+
+    # --- what a proposer is and costs -----------------------------------------------------------
+
+    def footprint(self, proposer: "Proposer", target: nn.Module) -> Footprint:
+        return Footprint(0, 0, "none")
+
+    def identity(self, proposer: "Proposer") -> dict:
+        """Facts for a report: `weight_hash` of its own weights (None when it has none) and
+        `shares_target_weights`, plus anything kind-specific."""
+        return {"weight_hash": None, "shares_target_weights": False}
+
+    def draft_model(self, proposer: "Proposer") -> nn.Module | None:
+        """The module one autoregressive draft step runs (for timing it alone), or None."""
+        return None
+
+    def assistant_model(self, proposer: "Proposer") -> nn.Module | None:
+        """A Hugging Face causal LM that `generate(assistant_model=...)` can draft with, or None."""
+        return None
+
+    def modules(self, proposer: "Proposer") -> list[nn.Module]:
+        """The modules the proposer runs while decoding (for the runtime's few-row linear layers)."""
+        return []
+
+    # --- training --------------------------------------------------------------------------------
+
+    def build(self, recipe: Any, target: "LoadedModel") -> nn.Module:
+        """The untrained (or `drafter.init_from`) drafter a recipe asks for."""
+        raise InvalidInputError(f"drafter kind '{self.name}' cannot be trained")
+
+    def prepare(self, drafter: nn.Module, train_rows, recipe: Any) -> None:
+        """Anything the drafter needs from the training data before the first step."""
+
+    def training_module(self, drafter: nn.Module) -> nn.Module:
+        """The module DDP wraps: its one `forward` computes what `objective` needs."""
+        raise NotImplementedError
+
+    def objective(self, module: nn.Module, drafter: nn.Module, batch: dict, teacher: Teacher, recipe: Any) -> tuple:
+        """(loss, tokens counted, metrics) for one micro-batch; `module` is the (possibly wrapped)
+        training module to call, `drafter` the drafter inside it."""
+        raise NotImplementedError
+
+    def inference_module(self, drafter: nn.Module) -> nn.Module:
+        """The trained module as the runtime and the checkpoint see it."""
+        return drafter
+
+
+def weight_bytes(module: nn.Module, exclude: nn.Module | None = None) -> int:
+    """Bytes of a module's parameters, each tensor once, leaving out those of `exclude`."""
+    skip = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()
+    seen, total = set(), 0
+    for p in module.parameters():
+        if p.data_ptr() in seen or p.data_ptr() in skip:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_token(config, layers: int | None = None, element_size: int = 4) -> int:
+    """Bytes of keys and values one token occupies in a full-attention cache of this config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * (layers or config.num_hidden_layers) * kv_heads * head_dim * element_size
+
+
+def top1_agreement(student_logits: torch.Tensor, teacher_argmax: torch.Tensor) -> torch.Tensor:
+    """Share of positions where the drafter's top token is the target's (ties: lowest index)."""
+    if student_logits.shape[0] == 0:
+        return torch.tensor(float("nan"))
+    return (student_logits.argmax(-1) == teacher_argmax).float().mean()
+
+
+def frequent_answer_tokens(rows, count: int) -> torch.Tensor:
+    """The `count` token ids most frequent among the answer tokens of training rows (`input_ids`,
+    `loss_mask`), ties to the lower id: a draft vocabulary."""
+    answers = [torch.tensor(row["input_ids"])[torch.tensor(row["loss_mask"], dtype=torch.bool)] for row in rows]
+    if not answers or sum(len(a) for a in answers) == 0:
+        raise InvalidInputError("no answer tokens to choose a draft vocabulary from")
+    counts = torch.bincount(torch.cat(answers).to(torch.int64))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[: min(count, int((counts > 0).sum()))]
+
+
+def positive_int(text: str, spec: str) -> int:
+    """An integer >= 1 from a drafter spec's argument, or a one-line InvalidInputError."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidInputError(f"bad drafter spec '{spec}': '{text}' is not an integer") from None
+    if value < 1:
+        raise InvalidInputError(f"bad drafter spec '{spec}': {value} must be >= 1")
+    return value
+
+
+def register(cls: type[DrafterKind]) -> type[DrafterKind]:
+    """Class decorator: register one instance of a kind under its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and type(_REGISTRY[cls.name]) is not cls:
+        raise ValueError(f"drafter kind '{cls.name}' is registered twice")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def get(name: str) -> DrafterKind:
+    _load_builtin()
+    kind = _REGISTRY.get(name)
+    if kind is None:
+        raise InvalidInputError(f"unknown drafter kind '{name}' (known: {', '.join(names())})")
+    return kind
+
+
+def find(name: str) -> DrafterKind | None:
+    """The kind registered under `name`, or None (a proposer written for a test or an experiment need
+    not register one to run in the runtime)."""
+    _load_builtin()
+    return _REGISTRY.get(name)
+
+
+def names(*, trainable: bool | None = None, has_checkpoint: bool | None = None,
+          from_spec: bool | None = None) -> list[str]:
+    """The registered kinds' names, optionally only those with the given capabilities."""
+    _load_builtin()
+    wanted = {"trainable": trainable, "has_checkpoint": has_checkpoint, "from_spec_name": from_spec}
+    return sorted(n for n, k in _REGISTRY.items()
+                  if all(v is None or getattr(k, a) == v for a, v in wanted.items()))
+
+
+def of(proposer: "Proposer") -> DrafterKind:
+    """The kind of a proposer."""
+    return get(proposer.kind)

@@ -1,0 +1,39 @@
+"""Decoding options: how one `generate` call drafts, as one frozen object validated where it is made.
+
+Per-request sampling (temperature, top-k, top-p, seed) is `SamplingParams`; everything about the
+speculation itself travels here, from the command line through `generate()` to the proposer
+(`RoundContext.options`), so a new option is one field, not one more keyword in five layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftsmith.speculative.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    max_new_tokens: int = 128
+    """Most tokens generated per prompt (a stop token ends a row earlier)."""
+    draft_len: int = 4
+    """D: most tokens drafted per round (0 = plain decoding through the same loop)."""
+    draft_confidence: float = 0.0
+    """Dynamic draft length: a drafter with probabilities stops a row's draft after the first token it
+    gives less than this probability (0 = always D)."""
+    draft_alternatives: int = 0
+    """A: runner-up tokens per draft position that greedy rows also verify as sibling leaves (tree.py)."""
+    leaf_min_prob: float = 0.0
+    """Keep only sibling leaves the drafter gives at least this estimated chance of being taken."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_len < 0:
+            raise InvalidInputError(f"draft length must be >= 0, got {self.draft_len}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise InvalidInputError(f"draft confidence must lie in [0, 1), got {self.draft_confidence}")
+        if self.draft_alternatives < 0:
+            raise InvalidInputError(f"draft alternatives must be >= 0, got {self.draft_alternatives}")
+        if not 0.0 <= self.leaf_min_prob < 1.0:
+            raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {self.leaf_min_prob}")
