@@ -86,9 +86,13 @@ class Eagle3Drafter(nn.Module):
     norm.weight, lm_head.weight [Vd, H], d2t [Vd] int64, t2d [V] bool."""
 
     def __init__(self, target_config, target_layers, num_layers: int = 1, draft_vocab_size: int | None = None,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, layer_config=None):
+        """`layer_config`: the draft layers' config when it is not the target's with `num_layers`
+        layers (an imported drafter's); its width and vocabulary must be the target's."""
         super().__init__()
-        self.config = draft_lm_config(target_config, num_layers)
+        self.config = copy.deepcopy(layer_config) if layer_config is not None else \
+            draft_lm_config(target_config, num_layers)
+        self.config.num_hidden_layers = num_layers
         self.config._attn_implementation = "sdpa"  # takes the 4-D masks of the unrolled training passes
         self.target_layers = check_target_layers(target_layers, target_config.num_hidden_layers)
         self.num_layers, self.norm_before_residual = num_layers, norm_before_residual
@@ -103,6 +107,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.arange(vocab) < draft_vocab_size)
         self._target: list[nn.Module] = []  # [embed_tokens, lm_head], a list so they are not submodules
+        self.target_architectures = list(getattr(target_config, "architectures", None) or [])
 
     # --- the target and the draft vocabulary ------------------------------------------------------
 
@@ -111,6 +116,7 @@ class Eagle3Drafter(nn.Module):
         lm_head rows for the draft vocabulary, so an untrained drafter's outputs start on the target's
         scale and vocabulary."""
         self._target = [target.get_input_embeddings(), target.get_output_embeddings()]
+        self.target_architectures = list(target.config.architectures or [type(target).__name__])
         if init:
             with torch.no_grad():
                 self.norm.weight.copy_(target.get_decoder().norm.weight)
@@ -147,7 +153,7 @@ class Eagle3Drafter(nn.Module):
         return {"num_layers": self.num_layers, "target_layers": list(self.target_layers),
                 "hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size,
                 "draft_vocab_size": len(self.d2t), "norm_before_residual": self.norm_before_residual,
-                "layer_config": layer_config}
+                "target_architectures": self.target_architectures, "layer_config": layer_config}
 
     # --- the forward passes -----------------------------------------------------------------------
 
