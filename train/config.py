@@ -94,12 +94,29 @@ class DataColumns(Section):
         return self
 
 
+class PromptSource(Section):
+    """A data.prompts entry written as a mapping, for settings of its own; a plain string entry (and
+    any setting left out here) takes the data section's."""
+
+    source: str
+    """A file, builtin:NAME, hf:NAME[:CONFIG][@SPLIT] or self:N, as a plain entry."""
+    regenerate: bool | None = None
+    """true: the target answers the prompts itself; false: train on the source's own conversations as
+    they are (rendered with the target's chat template, loss on the assistant turns only; teacher
+    signals, when offline, from one teacher-forced target pass); None: data.regenerate."""
+    columns: DataColumns | None = None
+    """This source's columns; None: data.columns."""
+    limit: int | None = Field(None, ge=1)
+    """Records taken from this source; None: data.limit."""
+
+
 class DataConfig(Section):
-    prompts: list[str] = Field(default_factory=lambda: ["builtin:quickstart"])
+    prompts: list[str | PromptSource] = Field(default_factory=lambda: ["builtin:quickstart"])
     """Prompt / conversation sources: files (jsonl, json, parquet, csv, saved dataset dirs), builtin:NAME
     (a set that ships with draftsmith), hf:NAME[:CONFIG][@SPLIT] (datasets.load_dataset: a hub id or a
     local dataset repository), or self:N (N prompts the target writes itself, Magpie-style; see
-    draftsmith.data.self_prompts)."""
+    draftsmith.data.self_prompts); or a mapping {source: ..., regenerate, columns, limit} for settings
+    of its own (see PromptSource)."""
     prompt_column: str | None = None
     """Column holding the prompt, when it is not inferred (prompt, instruction, question, turns, messages...);
     the same as data.columns.prompt."""
@@ -319,8 +336,13 @@ def validate_recipe(raw: dict, source: str, schema: type[BaseModel] | None = Non
 
 def describe_validation_error(exc: ValidationError) -> str:
     """The first problem, naming the key: 'unknown key train.stepz', 'train.steps: Input should be ...'."""
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
+    errors = exc.errors()
+    error = errors[0]
+    if error["loc"][-1:] == ("str",):  # a string-or-mapping entry (data.prompts): the mapping's problem says more
+        error = next((e for e in errors[1:] if len(e["loc"]) > len(error["loc"])), error)
+    # Union members appear in the path under their class names (CamelCase); keys are lower case.
+    where = ".".join(str(part) for part in error["loc"] if not (isinstance(part, str) and part[:1].isupper())
+                     and part != "str")
     if error["type"] == "extra_forbidden":
         return f"unknown key '{where}'"
     if error["type"] == "missing":

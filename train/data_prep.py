@@ -17,7 +17,7 @@ import datasets
 
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import regenerate
-from draftsmith.data.render import render_prompt, tokenize_dataset
+from draftsmith.data.render import TOKEN_FEATURES, render_prompt, tokenize_dataset
 from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
 from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
 from draftsmith.data.stream import stream_conversations
@@ -26,9 +26,10 @@ from draftsmith.speculative import kinds
 from draftsmith.speculative.kinds import frequent_answer_tokens  # noqa: F401  (used by tests)
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
-from draftsmith.train.config import Recipe
+from draftsmith.train.config import DataColumns, PromptSource, Recipe
 
 BUILTIN_PROMPTS = BUILTIN_DIR
+FIXED = "fixed_conversation"  # a record's tag while its source's regenerate setting differs from others'
 
 
 @dataclass
@@ -62,13 +63,25 @@ def source_fingerprint(spec: str) -> str:
     return file_fingerprint(resolve_prompt_file(spec))
 
 
-def column_map(recipe: Recipe) -> ColumnMap:
-    """data.columns (and data.prompt_column, its older spelling of columns.prompt) as a ColumnMap."""
+def source_entries(recipe: Recipe) -> list[PromptSource]:
+    """data.prompts with every entry a PromptSource (a plain string one takes the data section's settings)."""
+    return [PromptSource(source=p) if isinstance(p, str) else p for p in recipe.data.prompts]
+
+
+def regenerates(recipe: Recipe, entry: PromptSource) -> bool:
+    """Whether the target answers `entry`'s prompts (else its conversations are trained on as they are)."""
+    return recipe.data.regenerate if entry.regenerate is None else entry.regenerate
+
+
+def column_map(recipe: Recipe, columns: DataColumns | None = None) -> ColumnMap:
+    """`columns` (default data.columns, with data.prompt_column, its older spelling of columns.prompt)
+    as a ColumnMap."""
     cfg = recipe.data
-    c = cfg.columns
-    if cfg.prompt_column and (c.conversation or c.turns or (c.prompt and c.prompt != cfg.prompt_column)):
+    c = columns or cfg.columns
+    prompt_column = cfg.prompt_column if columns is None else None
+    if prompt_column and (c.conversation or c.turns or (c.prompt and c.prompt != prompt_column)):
         raise InvalidInputError("data.prompt_column and data.columns name different prompt columns; keep one")
-    return ColumnMap(prompt=c.prompt or cfg.prompt_column, messages=c.conversation, turns=c.turns,
+    return ColumnMap(prompt=c.prompt or prompt_column, messages=c.conversation, turns=c.turns,
                      category=c.category, reference=c.reference, id=c.id)
 
 
@@ -82,8 +95,19 @@ def data_options(recipe: Recipe) -> dict:
     cfg = recipe.data
     options = {"columns": cfg.columns.model_dump(exclude_none=True) or None, "data_seed": cfg.seed,
                "shuffle": cfg.shuffle or None, "streaming": cfg.streaming or None,
-               "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None}
+               "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None,
+               "sources": [entry.model_dump(exclude_none=True) for entry in source_entries(recipe)]
+               if any(isinstance(p, PromptSource) for p in cfg.prompts) else None}
     return {k: v for k, v in options.items() if v is not None}
+
+
+def split_fixed(recipe: Recipe, records: datasets.Dataset) -> tuple[datasets.Dataset | None, datasets.Dataset | None]:
+    """(the records the target answers, the records trained on as they are); None for an empty side."""
+    if FIXED not in records.column_names:
+        return (records, None) if regenerates(recipe, source_entries(recipe)[0]) else (None, records)
+    answered = records.filter(lambda row: not row[FIXED], desc="regenerated sources").remove_columns(FIXED)
+    fixed = records.filter(lambda row: row[FIXED], desc="fixed sources").remove_columns(FIXED)
+    return (answered if len(answered) else None), (fixed if len(fixed) else None)
 
 
 def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: Path | None = None,
@@ -93,23 +117,32 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
     into shards under cache_root; a `self:N` source (N prompts the target writes, cached under
     cache_root) gives at most N."""
     cfg = recipe.data
-    columns, seed = column_map(recipe), data_seed(recipe)
+    seed = data_seed(recipe)
     shuffle_seed = seed if cfg.shuffle else None
+    entries = source_entries(recipe)
+    mixed = len({regenerates(recipe, entry) for entry in entries}) > 1
 
-    def load(spec: str) -> datasets.Dataset:
+    def load(entry: PromptSource) -> datasets.Dataset:
+        records = load_one(entry)
+        if mixed:  # tagged, so that the answered and the fixed records can be told apart after the shuffle
+            records = records.add_column(FIXED, [not regenerates(recipe, entry)] * len(records))
+        return records
+
+    def load_one(entry: PromptSource) -> datasets.Dataset:
+        spec, columns, limit = entry.source, column_map(recipe, entry.columns), entry.limit or cfg.limit
         if cfg.streaming and is_hf(spec):
-            key = cache_key(source=spec, fingerprint=hf_fingerprint(spec), columns=vars(columns), limit=cfg.limit,
+            key = cache_key(source=spec, fingerprint=hf_fingerprint(spec), columns=vars(columns), limit=limit,
                             shuffle_seed=shuffle_seed, buffer=cfg.stream_buffer)
-            return stream_conversations(spec, Path(cache_root) / f"stream-{key}", columns, limit=cfg.limit,
+            return stream_conversations(spec, Path(cache_root) / f"stream-{key}", columns, limit=limit,
                                         shuffle_seed=shuffle_seed, buffer_size=cfg.stream_buffer, progress=progress)
         if not is_self_spec(spec):
-            return load_conversations(spec, columns, limit=cfg.limit, shuffle_seed=shuffle_seed)
+            return load_conversations(spec, columns, limit=limit, shuffle_seed=shuffle_seed)
         count = self_prompt_count(spec)
         key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed)
         return write_prompts(target, count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
                              batch_size=cfg.regen_batch_size, progress=progress)
 
-    parts = [load(spec) for spec in cfg.prompts]
+    parts = [load(entry) for entry in entries]
     if not parts:
         raise InvalidInputError("data.prompts lists no files")
     if len({"input_ids" in part.column_names for part in parts}) > 1:
@@ -142,31 +175,39 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     """Build (main process) or load (other processes, after the main one) the run's data."""
     cfg = recipe.data
     cache_root = Path(cfg.cache_dir or Path(recipe.output_dir) / "data")
-    files = {spec: source_fingerprint(spec) for spec in cfg.prompts}
+    entries = source_entries(recipe)
+    files = {entry.source: source_fingerprint(entry.source) for entry in entries}
     records = load_records(recipe, target, cache_root, progress=progress and is_main)
     train_records, heldout = split_heldout(records, cfg.heldout)
-    source = {"prompts": cfg.prompts, "records": len(train_records), "heldout": len(heldout),
-              "regenerated": cfg.regenerate, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
+    flags = [regenerates(recipe, entry) for entry in entries]
+    source = {"prompts": recipe.model_dump()["data"]["prompts"], "records": len(train_records),
+              "heldout": len(heldout), "regenerated": flags[0] if len(set(flags)) == 1 else flags,
+              "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     key = cache_key(target=target.weight_hash(), files=files, limit=cfg.limit, column=cfg.prompt_column,
                     heldout=cfg.heldout, seed=recipe.train.seed, regenerate=cfg.regenerate,
                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **data_options(recipe))
-    if cfg.extra_samples and not cfg.regenerate:
+    answered, fixed = split_fixed(recipe, train_records)
+    if cfg.extra_samples and answered is None:
         raise InvalidInputError("data.extra_samples needs data.regenerate: true (they are the target's answers)")
-    if cfg.regenerate:
+    parts = []
+    if answered is not None:
         # The main answers, then each extra sampled pass: every part has its own cache (keyed as if it
         # were the only one, so the main part is shared with recipes that take no extra samples).
         passes = [(key, cfg.temperature, recipe.train.seed)]
         passes += [(cache_key(main=key, extra_sample=i, temperature=cfg.sample_temperature), cfg.sample_temperature,
                     recipe.train.seed + 1 + i) for i in range(cfg.extra_samples)]
-        parts = []
         for part_key, temperature, seed in passes:
-            regenerated = regenerate(target, train_records, cache_root / f"regen-{part_key}",
+            regenerated = regenerate(target, answered, cache_root / f"regen-{part_key}",
                                      max_new_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed,
                                      batch_size=cfg.regen_batch_size, progress=progress and is_main)
             parts.append((part_key, truncate(regenerated, cfg.max_length)))
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
-    else:
-        parts = [(key, tokenize_dataset(train_records, target.tokenizer, cfg.max_length))]
+    if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only
+        fixed_key = key if answered is None else cache_key(main=key, fixed_sources=True)
+        parts.append((fixed_key, tokenize_dataset(fixed, target.tokenizer, cfg.max_length)))
+    if answered is not None and fixed is not None:  # the token columns are what both kinds of rows share
+        parts = [(k, part.select_columns(list(TOKEN_FEATURES)).cast(datasets.Features(TOKEN_FEATURES)))
+                 for k, part in parts]
     train = datasets.concatenate_datasets([part for _, part in parts]) if len(parts) > 1 else parts[0][1]
     if len(train) == 0:
         raise InvalidInputError("no training sequences with answer tokens are left (empty dataset)")

@@ -73,7 +73,7 @@ def retune(options: RetuneOptions) -> dict:
         "previous_drafter": str(Path(options.drafter).resolve()),
         "previous_target": {"name": info.target_name, "weight_hash": info.target_hash},
         "new_target": {"name": new_target.name, "weight_hash": new_target.weight_hash()},
-        "data": recipe.data.prompts,
+        "data": recipe.model_dump()["data"]["prompts"],
         "budget_steps": options.budget_steps,
         "al_old_target": old_level,
         "al_new_target_before": before,

@@ -36,3 +36,15 @@ def test_a_recipe_trains_from_a_streamed_dataset(dataset_repo, tmp_path):
     streamed = json.loads(next((out / "data").glob("stream-*/manifest.json")).read_text())
     assert streamed["complete"] and streamed["settings"]["limit"] == 6 and streamed["settings"]["shuffle_seed"] == 0
     assert json.loads(next((out / "data").glob("regen-*/manifest.json")).read_text())["settings"]["num_records"] == 4
+
+
+def test_a_recipe_trains_on_fixed_conversations_beside_regenerated_answers(dataset_repo, tmp_path):
+    out = tmp_path / "run"
+    sources = (f"[{{source: 'hf:{dataset_repo}', columns: {{prompt: query}}, limit: 6}}, "
+               f"{{source: 'hf:{dataset_repo}:chat', regenerate: false, columns: {{conversation: dialog}}}}]")
+    code = train_main(["tiny-eagle", f"output_dir={out}", f"data.prompts={sources}", "teacher.mode=offline",
+                       "teacher.top_k=3", *ONE_STEP])
+    assert code == 0
+    info = read_drafter_info(out / "drafter")
+    assert info.recipe["data"]["prompts"][1]["regenerate"] is False
+    assert len(list((out / "data").glob("teacher-*"))) == 2  # one pass over each part, regenerated and fixed
