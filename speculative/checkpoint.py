@@ -33,7 +33,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from draftsmith.speculative import kinds
+from draftsmith.speculative import formats, kinds
 from draftsmith.speculative.errors import DraftsmithError, ModelLoadError, first_line
 from draftsmith.speculative.fileio import atomic_directory
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
@@ -137,9 +137,11 @@ def check_target(info: DrafterInfo, target: LoadedModel, path, *, allow_mismatch
 def load_drafter_dir(path: str | Path, target: LoadedModel, *, allow_target_mismatch: bool = False,
                      device=None, dtype=None) -> tuple[Proposer, DrafterInfo | None]:
     """A proposer from a drafter directory: a draftsmith checkpoint of any kind (checked against the
-    target) or a plain Hugging Face causal LM with the target's tokenizer (no record, so no target
-    check: a draft LM)."""
+    target), an EAGLE-3 drafter in the speculators or SGLang layout (formats.py), or a plain Hugging
+    Face causal LM with the target's tokenizer (no record, so no target check: a draft LM)."""
     path = Path(path)
+    if formats.recognise(path) is not None:  # an EAGLE-3 drafter trained elsewhere (no record to check)
+        return kinds.get("eagle3").proposer(formats.load(path, target, device=device, dtype=dtype)), None
     info = read_drafter_info(path)
     if info is not None:
         check_target(info, target, path, allow_mismatch=allow_target_mismatch)

@@ -37,16 +37,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import AutoModel, DynamicCache
-from transformers.masking_utils import create_causal_mask
-
 from draftsmith.speculative import kinds
 from draftsmith.speculative.draft_lm import draft_lm_config
 from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
-from draftsmith.speculative.kinds import DrafterKind, Footprint, kv_bytes_per_token, top1_agreement, weight_bytes
+from draftsmith.speculative.kinds import (
+    DrafterKind,
+    Footprint,
+    kv_bytes_per_token,
+    top1_agreement,
+    weight_bytes,
+)
 from draftsmith.speculative.kv import KVState, additive_mask
 from draftsmith.speculative.proposers import ChainProposer, RoundContext, left_pad
+from torch import nn
+from transformers import AutoModel, DynamicCache
+from transformers.masking_utils import create_causal_mask
 
 WEIGHTS = "eagle3.safetensors"
 SPEC_KEY = "eagle3"

@@ -32,11 +32,10 @@ import json
 from pathlib import Path
 
 import torch
+from draftsmith.speculative.errors import InvalidInputError, ModelLoadError, first_line
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
-
-from draftsmith.speculative.errors import InvalidInputError, ModelLoadError, first_line
 
 SPECULATORS, SGLANG = "speculators", "sglang"
 FORMATS = (SPECULATORS, SGLANG)
@@ -62,7 +61,11 @@ UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "use_aux_norm")
 def export(drafter_dir: str | Path, fmt: str, out: str | Path, *, verifier: str | None = None) -> Path:
     """Write the draftsmith eagle3 checkpoint `drafter_dir` into a new directory `out` in format `fmt`.
     `verifier`: the target's hub id or path recorded for the engine (default: the checkpoint's target)."""
-    from draftsmith.speculative.checkpoint import atomic_write, read_drafter_info, read_spec
+    from draftsmith.speculative.checkpoint import (
+        atomic_write,
+        read_drafter_info,
+        read_spec,
+    )
     from draftsmith.speculative.eagle3 import SPEC_KEY
     from draftsmith.speculative.eagle3 import WEIGHTS as OWN_WEIGHTS
 
@@ -185,7 +188,11 @@ def recognise(path: str | Path) -> str | None:
 def load(path: str | Path, target, *, device=None, dtype=None):
     """The `Eagle3Drafter` of a speculators or SGLang-layout directory, checked against its tensors
     and the target (one-line ModelLoadError otherwise)."""
-    from draftsmith.speculative.eagle3 import Eagle3Drafter, default_target_layers, placed
+    from draftsmith.speculative.eagle3 import (
+        Eagle3Drafter,
+        default_target_layers,
+        placed,
+    )
 
     path = Path(path)
     fmt = recognise(path)
@@ -207,9 +214,10 @@ def load(path: str | Path, target, *, device=None, dtype=None):
     tensors = _read_tensors(path, fmt)
     if fmt == SGLANG:
         tensors = _from_sglang_names(tensors, layer.num_hidden_layers)
-    tensors = _sorted_vocab(_with_vocab_maps(tensors, vocab_size, target_config.vocab_size, path), path)
+    tensors = _sorted_vocab(_with_vocab_maps(tensors, vocab_size, target_config.vocab_size, path))
     try:
-        drafter = Eagle3Drafter(target_config, layers, layer.num_hidden_layers, vocab_size, residual, layer_config=layer)
+        drafter = Eagle3Drafter(target_config, layers, layer.num_hidden_layers, vocab_size, residual,
+                                layer_config=layer)
     except InvalidInputError as exc:
         raise ModelLoadError(f"{fmt} drafter in {path} does not fit {target.name}: {exc}") from None
     try:
@@ -321,7 +329,7 @@ def _with_vocab_maps(tensors: dict, draft_vocab: int, vocab: int, path: Path) ->
     return {**tensors, "d2t": d2t, "t2d": t2d}
 
 
-def _sorted_vocab(tensors: dict, path: Path) -> dict:
+def _sorted_vocab(tensors: dict) -> dict:
     """The draft vocabulary in increasing target-id order (draftsmith's), lm_head rows with it."""
     ids = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
     order = torch.argsort(ids)

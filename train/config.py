@@ -32,13 +32,14 @@ class DrafterConfig(Section):
     kind: str = "draft-lm"
     """A trainable kind of the registry (speculative/kinds.py). draft-lm: a small causal LM with the
     target's tokenizer; medusa: heads on the target's hidden state; eagle: decoder layers reading the
-    target's hidden states and the tokens after them (EAGLE-1)."""
+    target's hidden states and the tokens after them (EAGLE-1); eagle3: EAGLE-3, reading three target layers'
+    states and drafting from its own outputs (speculative/eagle3.py)."""
     init_from: str | None = None
     """Warm start: a draft-LM (any causal LM directory or hub id with the target's tokenizer) or a
     draftsmith Medusa or EAGLE directory to start from, instead of building a fresh drafter from the target."""
     num_layers: int = Field(2, ge=1)
     """draft-lm: decoder layers (the target's first layers are copied when the width matches);
-    eagle: decoder layers after the feature/token projection (1 in EAGLE)."""
+    eagle, eagle3: decoder layers after the feature/token projection (1 in EAGLE and EAGLE-3)."""
     hidden_size: int | None = Field(None, ge=8)
     """draft-lm: a narrower width than the target's (random init then); None keeps the target's."""
     init_from_target: bool = True
@@ -52,7 +53,7 @@ class DrafterConfig(Section):
     own_lm_head: bool = False
     """medusa: give each head a trainable copy of the lm_head instead of sharing the frozen one."""
     draft_vocab: int | None = Field(None, ge=1)
-    """eagle: draft only among this many tokens, the most frequent in the training answers (a draft step
+    """eagle, eagle3: draft only among this many tokens, the most frequent in the training answers (a draft step
     then multiplies only their rows of the lm_head); None drafts from the whole vocabulary."""
     target_layers: list[int] | None = None
     """eagle3: the target states the drafter reads, as indices into transformers' `hidden_states`
@@ -173,15 +174,15 @@ class LossConfig(Section):
     head_weights: list[float] | None = None
     """medusa: per-head loss weights; default head_decay**k."""
     head_decay: float = Field(0.8, gt=0.0, le=1.0)
-    """medusa: weight of head k is head_decay**k unless head_weights is given; eagle: weight of draft
-    step k+1 (see draft_steps)."""
+    """medusa: weight of head k is head_decay**k unless head_weights is given; eagle, eagle3: weight of
+    draft step k+1 (see draft_steps)."""
     feature_weight: float = Field(1.0, ge=0.0)
     """eagle: weight of the smooth-L1 regression of the predicted feature on the target's, added to the
     token loss (EAGLE trains both)."""
     draft_steps: int = Field(1, ge=1, le=8)
-    """eagle: draft steps trained (training-time test, as HASS and EAGLE-3): step k reads the drafter's
-    own guesses of the k-1 features before it, as drafting does, so later draft positions are trained
-    on what they will see. Step k costs about k passes of the drafter's layers."""
+    """eagle, eagle3: draft steps trained (training-time test, as HASS and EAGLE-3, which uses 3): step k
+    reads the drafter's own guesses of the k-1 features before it, as drafting does, so later draft
+    positions are trained on what they will see. Step k costs about k passes of the drafter's layers."""
     feature_noise: float = Field(0.0, ge=0.0)
     """eagle: uniform noise U(-a, a) added to the target features the drafter reads in training (EAGLE-1
     uses 0.1), so that slightly-off features, as its own guesses are, do not throw it."""

@@ -2,7 +2,6 @@
 import back."""
 
 import pytest
-
 from draftsmith.speculative import formats
 from draftsmith.speculative.checkpoint import read_drafter_info
 from draftsmith.speculative.drafters import build_proposer

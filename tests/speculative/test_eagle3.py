@@ -6,22 +6,34 @@ import json
 
 import pytest
 import torch
-from scipy import stats
-from transformers import DynamicCache
-
 from draftsmith.speculative import kinds
-from draftsmith.speculative.checkpoint import DrafterInfo, load_drafter_dir, read_drafter_info, save_drafter
+from draftsmith.speculative.checkpoint import (
+    DrafterInfo,
+    load_drafter_dir,
+    read_drafter_info,
+    save_drafter,
+)
 from draftsmith.speculative.drafters import build_proposer
-from draftsmith.speculative.eagle3 import Eagle3Drafter, Eagle3Proposer, default_target_layers
+from draftsmith.speculative.eagle3 import (
+    Eagle3Drafter,
+    Eagle3Proposer,
+    default_target_layers,
+)
 from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.lookup import LookupFirstProposer
 from draftsmith.speculative.ngram import NGramProposer
 from draftsmith.speculative.options import DecodeOptions
-from draftsmith.speculative.sampling import BatchSampling, SamplingParams, processed_probs
+from draftsmith.speculative.sampling import (
+    BatchSampling,
+    SamplingParams,
+    processed_probs,
+)
 from draftsmith.speculative.tiny import tiny_model
 from draftsmith.speculative.verify import VerifyOutput, verify_native
+from scipy import stats
+from transformers import DynamicCache
 
 # Ragged lengths, a one-token prompt (no pair before its first round) and a repeating one (lookup).
 PROMPTS = [[1, 72, 101, 108, 108, 111, 32, 119], [1], [1, 65, 66, 67, 65, 66, 67, 65], [1, 50, 43, 50, 43]]
@@ -362,8 +374,8 @@ def test_checkpoint_round_trip(loaded_target, drafter, tmp_path):
     assert read_drafter_info(out).kind == "eagle3"
     spec = json.loads((out / "config.json").read_text())["eagle3"]
     assert spec["target_layers"] == LAYERS and spec["draft_vocab_size"] == 197 and spec["num_layers"] == 1
-    proposer, loaded_info = load_drafter_dir(out, loaded_target)
-    assert isinstance(proposer, Eagle3Proposer) and proposer.target_layers == tuple(LAYERS)
+    proposer, record = load_drafter_dir(out, loaded_target)
+    assert isinstance(proposer, Eagle3Proposer) and proposer.target_layers == tuple(LAYERS) and record.kind == "eagle3"
     assert not any("embed" in k for k in proposer.model.state_dict())  # the target's, never stored
     for name, tensor in small.state_dict().items():
         assert torch.equal(proposer.model.state_dict()[name], tensor), name

@@ -7,20 +7,19 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from draftsmith.cli import main
+from draftsmith.speculative import formats
 from draftsmith.speculative.checkpoint import DrafterInfo, save_drafter
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.eagle3 import Eagle3Drafter, Eagle3Proposer
 from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
-from draftsmith.speculative import formats
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.medusa import MedusaHeads
 from draftsmith.speculative.options import DecodeOptions
 from draftsmith.speculative.sampling import SamplingParams
 from draftsmith.speculative.tiny import tiny_model, tiny_tokenizer
+from safetensors.torch import load_file, save_file
 
 LAYERS = [1, 2, 3]
 PROMPTS = [[1, 72, 101, 108, 108, 111, 32, 119], [1, 65, 66, 67, 65, 66, 67, 65], [1, 50, 43, 50, 43]]
