@@ -92,6 +92,21 @@ class Leaves:
         depth = torch.arange(1, width + 1, device=lens.device).repeat_interleave(count)
         return cls(tokens[:, used], valid[:, used], depth[used])
 
+    def attach(self, tokens: torch.Tensor,  # [B, 1 + D] the chain's slots: last, d_1 .. d_D
+               valid: torch.Tensor,  # [B, 1 + D] bool
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The pass's slots with the leaves after the chain's, and the tree structure of the pass."""
+        return (torch.cat([tokens, self.tokens], dim=1), torch.cat([valid, self.valid], dim=1),
+                self.structure(tokens.shape[1] - 1))
+
+    def kept_slots(self, path: torch.Tensor,  # [B, D + 1] from take_leaves
+                   on_path: torch.Tensor,  # [B, D + 1] bool: path entries that were emitted
+                   ) -> torch.Tensor:
+        """[B, 1 + D + L] bool: the pass's slots a cache keeps, the emitted path's."""
+        keep = torch.zeros(on_path.shape[0], on_path.shape[1] + self.tokens.shape[1], dtype=torch.bool,
+                           device=on_path.device)
+        return keep.scatter_(1, path, on_path)
+
     def structure(self, draft_width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Depth of each of the pass's T = 1 + D + L slots ([T] int64: position offset from `last`)
         and which slots each slot attends to among them ([T, T] bool)."""
