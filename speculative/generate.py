@@ -16,6 +16,10 @@ runner-up tokens as sibling leaves of the chain in the same pass (tree.py). Gree
 target's greedy decoding token for token; sampled rows emit exactly the target's (processed)
 distribution.
 
+The batch (`_Run`) changes between rounds: requests join (prefilled apart, then appended to the
+caches) and finished rows leave at once. engine.py drives it step by step for a server; `generate` is
+a loop over an engine that holds all of its prompts from the first step.
+
 Checks that cost host syncs (the verifier's input validation, a NaN scan of the target's and the
 drafter's logits) run in the first round of each call, and in every round with `debug=True` (or
 DRAFTSMITH_DEBUG=1); the inputs themselves are validated once where they enter (`generate`,
@@ -38,7 +42,7 @@ from draftsmith.speculative import kinds
 from draftsmith.speculative.errors import InvalidInputError, NumericalError
 from draftsmith.speculative.kernels import RoundNoise, make_verifier
 from draftsmith.speculative.kv import KVState
-from draftsmith.speculative.options import DecodeOptions
+from draftsmith.speculative.options import DecodeOptions, Request
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
@@ -190,14 +194,23 @@ class SpeculativeDecoder:
         `sampling`: one `SamplingParams` for all prompts or one per prompt. `options` (a
         `DecodeOptions`): the token budget and how to draft; without a proposer D is 0. Output is
         exact whatever the options."""
+        from draftsmith.speculative.engine import Engine  # the engine drives this module's _Run
+
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         self._validate(prompts, params)
-        run = _Run(self, prompts, params, options, on_emit)
-        with self.fast_linears():
-            run.prefill()
-            while run.active:
-                run.round()
-        return run.finish()
+        engine = Engine(self, options)
+        index = {engine.add(Request(p, s, options.max_new_tokens)): i for i, (p, s) in enumerate(zip(prompts, params))}
+        outputs: list[list[int]] = [[] for _ in prompts]
+        finish_reasons = ["length"] * len(prompts)
+        while engine.busy:
+            for e in engine.step():
+                i = index[e.request_id]
+                outputs[i].extend(e.tokens)
+                if on_emit is not None and e.tokens:
+                    on_emit(i, e.tokens)
+                if e.finish_reason is not None:
+                    finish_reasons[i] = e.finish_reason
+        return GenerationResult(outputs, finish_reasons, engine.finish())
 
     def _validate(self, prompts, params) -> None:
         if not prompts:
@@ -226,24 +239,27 @@ def _timed(stat: str):
 
 
 class _Run:
-    """The state of one `generate` call: active rows, their caches, outputs and statistics."""
+    """The running batch: its rows' caches, histories, generators, outputs and statistics. Rows join
+    between rounds (`join`) and leave as soon as they finish (`leave`); engine.py drives it."""
 
-    def __init__(self, decoder: SpeculativeDecoder, prompts, params, options: DecodeOptions, on_emit):
+    def __init__(self, decoder: SpeculativeDecoder, options: DecodeOptions,
+                 on_emit: Callable[[int, list[int]], None] | None = None):
         self.d = decoder
         self.proposer = decoder.proposer
         self.options = options if decoder.proposer is not None else dataclasses.replace(options, draft_len=0)
         self.start = time.perf_counter()
-        self.on_emit = on_emit
+        self.on_emit = on_emit  # on_emit(request_id, new_ids)
         self.stats = DecodeStats(draft_len=self.options.draft_len)
-        device = decoder.device
-        self.rows = list(range(len(prompts)))  # original index of each active row
-        self.history = [list(p) for p in prompts]
-        self.outputs: list[list[int]] = [[] for _ in prompts]
-        self.finish_reasons = ["length"] * len(prompts)
-        self.sampling = BatchSampling.from_params(params, device)
-        self.rng = RowGenerators([p.seed for p in params], device)
-        self.target_kv = KVState(decoder.target, len(prompts), device)
+        self.rows: list[int] = []  # request id of each active row
+        self.requests: list[Request] = []  # per row: its request (budget, draft length, stop ids)
+        self.history: list[list[int]] = []  # per row: prompt + emitted tokens
+        self.outputs: dict[int, list[int]] = {}  # per request id: its emitted tokens
+        self.finish_reasons: dict[int, str] = {}  # per request id: "stop" or "length"
+        self.sampling: BatchSampling | None = None  # None while the batch is empty
+        self.rng: RowGenerators | None = None
+        self.target_kv: KVState | None = None
         self.target_hidden: torch.Tensor | None = None  # [B, H] for proposers that read it
+        self.hidden_ready: list[bool] = []  # per row: target_hidden holds its state (not a row that just joined)
         self.leaves: Leaves | None = None  # this round's sibling leaves (tree.py)
         self.rounds_run = 0
 
@@ -268,22 +284,53 @@ class _Run:
         return torch.cat([hidden_states[i] for i in layers], dim=-1)
 
     @_timed("prefill_s")
-    def prefill(self) -> None:
-        context = [h[:-1] for h in self.history]
+    def join(self, ids: list[int], requests: list[Request]) -> None:
+        """Requests join the batch (between rounds): their prompts are prefilled in a cache of their own,
+        which is appended to the running one; the proposer takes them in the same way (`add_rows`), or
+        starts afresh (`begin`) when the batch is empty."""
+        device, proposer = self.d.device, self.proposer
+        history = [list(r.prompt) for r in requests]
+        sampling = BatchSampling.from_params([r.sampling for r in requests], device)
+        rng = RowGenerators([r.sampling.seed for r in requests], device)
+        kv = KVState(self.d.target, len(requests), device)
+        states = self.prefill(kv, history)
+        if not self.rows:  # an empty batch starts afresh
+            self.target_kv, self.sampling, self.rng, self.target_hidden = kv, sampling, rng, None
+            if proposer is not None:
+                proposer.begin(history, sampling, rng)
+                if states is not None:
+                    proposer.target_states(states)
+        else:
+            self.target_kv.append_rows(kv)
+            self.sampling = self.sampling.extend(sampling)
+            self.rng.extend(rng)
+            if self.target_hidden is not None:  # the new rows have none until their first round
+                self.target_hidden = torch.cat([self.target_hidden, self.target_hidden.new_zeros(
+                    len(requests), self.target_hidden.shape[1])])
+            if proposer is not None:
+                proposer.add_rows(history, sampling, rng, states)
+        self.rows += ids
+        self.requests += requests
+        self.history += history
+        self.hidden_ready += [False] * len(requests)
+        for i in ids:
+            self.outputs[i], self.finish_reasons[i] = [], "length"
+
+    def prefill(self, kv: KVState, prompts: list[list[int]]) -> list[torch.Tensor] | None:
+        """Fill `kv` with the prompts but their last tokens; the proposer's target states at those
+        positions when it reads them (else None)."""
+        context = [p[:-1] for p in prompts]
         proposer = self.proposer
         wants_states = proposer is not None and proposer.needs_target_states
         states = [torch.zeros(0, 0, device=self.d.device) for _ in context]
         if max(len(c) for c in context) > 0:
             tokens, valid = left_pad(context, self.d.device)
-            out = self.target_kv.forward(tokens, valid, logits_to_keep=1, output_hidden_states=wants_states)
-            if bool(torch.isnan(out.logits).any()):  # once per call: a broken target shows here
+            out = kv.forward(tokens, valid, logits_to_keep=1, output_hidden_states=wants_states)
+            if bool(torch.isnan(out.logits).any()):  # once per prefill: a broken target shows here
                 raise NumericalError("the target produced NaN logits; check the model weights and dtype")
             if wants_states:
                 states = [h[v] for h, v in zip(self.states(out.hidden_states), valid)]
-        if proposer is not None:
-            proposer.begin(self.history, self.sampling, self.rng)
-            if wants_states:
-                proposer.target_states(states)
+        return states if wants_states else None
 
     def round(self) -> None:
         t0 = time.perf_counter()
@@ -299,9 +346,11 @@ class _Run:
     @_timed("draft_s")
     def propose(self) -> Draft:
         """Up to D draft tokens per row (never past the row's token budget: a round emits at most D + 1)."""
-        budget = self.options.max_new_tokens
-        max_lens = [min(self.options.draft_len, budget - len(self.outputs[r]) - 1) for r in self.rows]
+        max_lens = [min(self.draft_len(q), q.max_new_tokens - len(self.outputs[r]) - 1)
+                    for r, q in zip(self.rows, self.requests)]
         proposer, batch = self.proposer, len(self.rows)
+        if proposer is not None and proposer.needs_target_hidden:  # rows that just joined have no state yet
+            max_lens = [m if ready else 0 for m, ready in zip(max_lens, self.hidden_ready)]
         if proposer is None or max(max_lens) <= 0 or (proposer.needs_target_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
         ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.options, self.target_hidden,
@@ -374,13 +423,15 @@ class _Run:
         proposer.rollback(out.num_accepted.tolist(), emitted)
         if proposer.needs_target_hidden:
             self.target_hidden = hidden[torch.arange(len(emitted), device=hidden.device), out.num_accepted]
+            self.hidden_ready = [True] * len(emitted)
 
     def emit(self, b: int, tokens: list[int]) -> bool:
         """Append row b's tokens up to a stop token or the budget; True when the row is finished."""
-        row = self.rows[b]
-        room = self.options.max_new_tokens - len(self.outputs[row])
+        row, request = self.rows[b], self.requests[b]
+        room = request.max_new_tokens - len(self.outputs[row])
         tokens = tokens[:room]
-        stop_at = next((i for i, t in enumerate(tokens) if t in self.d.stop_token_ids), None)
+        stops = self.d.stop_token_ids
+        stop_at = next((i for i, t in enumerate(tokens) if t in stops or t in request.stop_token_ids), None)
         if stop_at is not None:
             tokens = tokens[: stop_at + 1]
             self.finish_reasons[row] = "stop"
@@ -391,28 +442,38 @@ class _Run:
             self.stats.first_token_s = time.perf_counter() - self.start
         if self.on_emit is not None and tokens:
             self.on_emit(row, tokens)
-        return stop_at is not None or len(self.outputs[row]) >= self.options.max_new_tokens
+        return stop_at is not None or len(self.outputs[row]) >= request.max_new_tokens
+
+    def draft_len(self, request: Request) -> int:
+        """The most tokens a request's row drafts per round: its own D, within the batch's."""
+        d = self.options.draft_len
+        return d if request.draft_len is None else min(request.draft_len, d)
 
     def leave(self, finished: list[bool]) -> None:
-        """Finished rows leave the batch (their caches' rows and generators with them)."""
+        """Finished rows leave the batch (their caches' rows and generators with them); an empty batch
+        frees its caches."""
         if not any(finished):
             return
         keep_rows = [b for b, f in enumerate(finished) if not f]
         index = torch.tensor(keep_rows, dtype=torch.int64, device=self.d.device)
         self.rows = [self.rows[b] for b in keep_rows]
+        self.requests = [self.requests[b] for b in keep_rows]
         self.history = [self.history[b] for b in keep_rows]
+        self.hidden_ready = [self.hidden_ready[b] for b in keep_rows]
         self.sampling = self.sampling.select(index)
         self.rng.select(keep_rows)
         if self.target_hidden is not None:
             self.target_hidden = self.target_hidden[index]
-        if not self.rows:
-            return
-        self.target_kv.select_rows(index)
+        if self.rows:
+            self.target_kv.select_rows(index)
+        else:
+            self.target_kv = self.target_hidden = None
         if self.proposer is not None:
             self.proposer.select_rows(index)
 
-    def finish(self) -> GenerationResult:
+    def finish(self) -> DecodeStats:
+        """The statistics so far, with the total time and what the steps do not account for."""
         s = self.stats
         s.total_s = time.perf_counter() - self.start
         s.other_s = max(s.total_s - s.prefill_s - s.draft_s - s.target_s - s.verify_s, 0.0)
-        return GenerationResult(self.outputs, self.finish_reasons, s)
+        return s

@@ -105,6 +105,25 @@ class KVState:
         self.lengths = self.lengths[rows]
         self._trim()
 
+    def append_rows(self, other: "KVState") -> None:
+        """Append the rows of `other` (a cache of the same model, e.g. new requests prefilled apart) after
+        this batch's rows. The narrower of the two is widened with holes on the left, so every row keeps
+        its valid slots in order and its positions (which count valid slots only) are unchanged; the
+        caches are copied once."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            like = next((t for t in (_keys(mine), _keys(theirs)) if t is not None), None)
+            if like is None:  # no slot in either batch yet
+                continue
+            if not mine.is_initialized:
+                mine.lazy_initialization(like, like)
+            for name in ("keys", "values"):
+                setattr(mine, name, torch.cat([_widened(getattr(mine, name), self.batch_size, width, like),
+                                               _widened(getattr(theirs, name, None), other.batch_size, width, like)]))
+        self.mask = torch.cat([_widened(self.mask, self.batch_size, width), _widened(other.mask, other.batch_size, width)])
+        self.lengths = torch.cat([self.lengths, other.lengths.to(self.device)])
+        self._trim()
+
     def _trim(self) -> None:
         any_valid = self.mask.any(dim=0)  # [L]
         total = any_valid.shape[0]
@@ -137,6 +156,22 @@ class KVState:
                 "supports full-attention models (DynamicLayer caches) only"
             )
         self._checked_layout = True
+
+
+def _keys(layer) -> torch.Tensor | None:
+    """A cache layer's keys [B, H, L, d] when it holds any slot, else None."""
+    keys = getattr(layer, "keys", None) if layer.is_initialized else None
+    return keys if keys is not None and keys.dim() == 4 and keys.shape[2] > 0 else None
+
+
+def _widened(x: torch.Tensor | None, batch: int, width: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """x ([B, L] mask or [B, H, L, d] keys/values) with holes (False / zeros) prepended to `width` slots;
+    a missing or empty x becomes all holes, shaped after `like` for keys/values."""
+    if like is None:  # a validity mask
+        return torch.cat([x.new_zeros(batch, width - x.shape[1]), x], dim=1)
+    if x is None or x.dim() != 4 or x.shape[2] == 0:
+        return like.new_zeros(batch, like.shape[1], width, like.shape[3])
+    return torch.nn.functional.pad(x, (0, 0, width - x.shape[2], 0))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -44,6 +44,9 @@ class LookupFirstProposer(Proposer):
     def begin(self, prompts, sampling, rng):
         self.drafter.begin(prompts, sampling, rng)
 
+    def add_rows(self, prompts, sampling, rng, states=None):
+        self.drafter.add_rows(prompts, sampling, rng, states)
+
     def propose(self, ctx: RoundContext) -> Draft:
         device, draft_len = ctx.sampling.temperature.device, ctx.options.draft_len
         found = [self.lookup.lookup(h, min(draft_len, m)) for h, m in zip(ctx.history, ctx.max_lens)]

@@ -1,8 +1,9 @@
 """Decoding options: how one `generate` call drafts, as one frozen object validated where it is made.
 
-Per-request sampling (temperature, top-k, top-p, seed) is `SamplingParams`; everything about the
-speculation itself travels here, from the command line through `generate()` to the proposer
-(`RoundContext.options`), so a new option is one field, not one more keyword in five layers.
+Per-request sampling (temperature, top-k, top-p, seed) is `SamplingParams`, and a request to an engine
+(its prompt, sampling and limits) is a `Request`; everything about the speculation itself travels
+here, from the command line through `generate()` to the proposer (`RoundContext.options`), so a new
+option is one field, not one more keyword in five layers.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,3 +39,30 @@ class DecodeOptions:
             raise InvalidInputError(f"draft alternatives must be >= 0, got {self.draft_alternatives}")
         if not 0.0 <= self.leaf_min_prob < 1.0:
             raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {self.leaf_min_prob}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request for an engine (engine.py): its prompt, sampling and limits, what `DecodeOptions` sets
+    for a whole `generate` call. How it drafts otherwise (confidence, alternatives) is the engine's."""
+
+    prompt: tuple[int, ...]
+    """Token ids, at least one."""
+    sampling: SamplingParams = SamplingParams()
+    """Temperature, top-k, top-p and seed of this request."""
+    max_new_tokens: int = 128
+    """Most tokens generated (a stop token ends it earlier)."""
+    draft_len: int | None = None
+    """Most draft tokens per round for this request; None = the engine's D, 0 = plain decoding."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Stop tokens besides the decoder's own (its EOS)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+        if not self.prompt:
+            raise InvalidInputError("the prompt is empty; a request needs at least one token")
+        if self.max_new_tokens < 1:
+            raise InvalidInputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.draft_len is not None and self.draft_len < 0:
+            raise InvalidInputError(f"draft length must be >= 0, got {self.draft_len}")

@@ -2,7 +2,9 @@
 
 A proposer sees the runtime through four calls:
 
-    begin(prompts, sampling, rng)      once, before the first round (prefill its own state)
+    begin(prompts, sampling, rng)      once per batch, before its first round (prefill its own state)
+    add_rows(prompts, sampling, rng,   between rounds, when requests join a running batch: their rows
+             states)                   come after the batch's, with state as `begin` would make it
     propose(ctx) -> Draft              each round: tokens [B, D], per-row lengths, and q (or None)
     rollback(num_accepted, emitted)    each round, after verification: drop the rejected drafts' state
                                        and take in the emitted tokens
@@ -39,6 +41,7 @@ sampling too, since a deterministic draft is accepted with probability p(token).
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -85,7 +88,18 @@ class Proposer(ABC):
     target_layers: tuple[int, ...] = (-1,)  # indices into the target's `hidden_states` it reads
 
     def begin(self, prompts: list[list[int]], sampling: BatchSampling, rng: RowGenerators) -> None:
-        """Called once per `generate` call before the first round."""
+        """Called once per batch (a `generate` call, or an engine's batch starting empty) before its first round."""
+
+    def add_rows(self, prompts: list[list[int]], sampling: BatchSampling, rng: RowGenerators,
+                 states: list[torch.Tensor] | None = None) -> None:
+        """Rows join the running batch between rounds, after its rows and in order: `prompts` as for
+        `begin`, `sampling` and `rng` the new rows' own; `states` (`needs_target_states` only) the
+        target's states at their prompts' positions but the last, as `target_states` gets them after
+        `begin`. A proposer without per-row state needs nothing here; one that overrides `begin` must
+        override this too."""
+        if type(self).begin is not Proposer.begin:
+            raise NotImplementedError(f"{type(self).__name__} keeps per-row state (it defines begin) but not "
+                                      "add_rows, so no request can join its running batch")
 
     @abstractmethod
     def propose(self, ctx: RoundContext) -> Draft: ...
@@ -132,6 +146,20 @@ class ChainProposer(Proposer):
             self.kv.forward(tokens, valid, logits_to_keep=1)
         self.pending = [[p[-1]] for p in prompts]
         self._fed_drafts = -1  # nothing proposed yet
+
+    def add_rows(self, prompts, sampling, rng, states=None):
+        """The new rows' state is what `begin` (then `target_states`) makes for them alone, made on a copy
+        of this proposer and appended: the cache's rows (`KVState.append_rows`) and every per-row list
+        the copy's `begin` or `target_states` made anew (`pending`; EAGLE's features too). A subclass
+        keeping per-row state of another form overrides this."""
+        joining = copy.copy(self)
+        joining.begin(prompts, sampling, rng)
+        if states is not None:
+            joining.target_states(states)
+        self.kv.append_rows(joining.kv)
+        for name, value in vars(joining).items():
+            if isinstance(value, list) and value is not getattr(self, name, None) and len(value) == len(prompts):
+                setattr(self, name, getattr(self, name) + value)
 
     def propose(self, ctx: RoundContext) -> Draft:
         batch = len(self.pending)

@@ -36,6 +36,12 @@ class RowGenerators:
         self.seeds = [self.seeds[i] for i in rows]
         self.rounds = [self.rounds[i] for i in rows]
 
+    def extend(self, other: "RowGenerators") -> None:
+        """Append the rows of `other` (requests joining the batch), their streams as they are."""
+        self.generators += other.generators
+        self.seeds += other.seeds
+        self.rounds += other.rounds
+
     def philox_keys(self) -> tuple[torch.Tensor, torch.Tensor]:  # ([B] int64 seeds, [B] int64 offsets)
         """Each row's seed and a counter offset it has never used, for one round of in-kernel draws."""
         offsets = torch.tensor(self.rounds, dtype=torch.int64, device=self.device)

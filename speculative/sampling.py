@@ -71,6 +71,11 @@ class BatchSampling:
     def select(self, rows: torch.Tensor) -> "BatchSampling":
         return BatchSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows])
 
+    def extend(self, other: "BatchSampling") -> "BatchSampling":
+        """These rows, then the rows of `other` (requests joining the batch)."""
+        return BatchSampling(torch.cat([self.temperature, other.temperature]), torch.cat([self.top_k, other.top_k]),
+                             torch.cat([self.top_p, other.top_p]))
+
     def to(self, device) -> "BatchSampling":
         return BatchSampling(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device))
 
