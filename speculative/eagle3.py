@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from draftsmith.speculative import kinds
+from draftsmith.speculative import formats, kinds
 from draftsmith.speculative.draft_lm import draft_lm_config
 from draftsmith.speculative.errors import InvalidInputError, ModelLoadError
 from draftsmith.speculative.kinds import (
@@ -392,8 +392,9 @@ class Eagle3Kind(DrafterKind):
 
     def build(self, recipe, target):
         cfg = recipe.drafter
-        if cfg.init_from:
-            drafter = self.load(Path(cfg.init_from), target)
+        if cfg.init_from:  # a draftsmith eagle3 checkpoint, or one in the speculators or SGLang layout
+            foreign = formats.recognise(cfg.init_from) is not None
+            drafter = (formats.load if foreign else self.load)(Path(cfg.init_from), target)
         else:
             config = target.model.config
             layers = cfg.target_layers or default_target_layers(config.num_hidden_layers)

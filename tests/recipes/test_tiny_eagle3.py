@@ -28,8 +28,8 @@ def test_shipped_recipes_validate():
 @pytest.mark.slow
 def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    out = tmp_path / "run"
-    summary = train(load_recipe("tiny-eagle3", [f"output_dir={out}", "tracking.report_to=none"]), progress=False)
+    out, data = tmp_path / "run", f"data.cache_dir={tmp_path / 'data'}"
+    summary = train(load_recipe("tiny-eagle3", [f"output_dir={out}", data, "tracking.report_to=none"]), progress=False)
     before, after = summary["al_before"]["acceptance_length"], summary["al_after"]["acceptance_length"]
     assert after > before + 0.3, (before, after)
     drafter = out / "drafter"
@@ -48,3 +48,9 @@ def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_p
         assert result.tokens == plain, name
         results[name] = result.stats.emitted_hist
     assert results["own"] == results["speculators"] == results["sglang"]  # the same drafts, the same rounds
+
+    # Training further from a drafter in an engine's layout: it starts where the first run ended.
+    again = train(load_recipe("tiny-eagle3", [f"output_dir={tmp_path / 'again'}", data, "tracking.report_to=none",
+                                              f"drafter.init_from={tmp_path / 'sglang'}", "train.steps=3",
+                                              "train.eval_every=0", "train.checkpoint_every=0"]), progress=False)
+    assert again["al_before"]["acceptance_length"] == after
