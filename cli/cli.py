@@ -11,12 +11,12 @@ from draftsmith.speculative.quiet import quiet_libraries
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from draftsmith import eval_cmd, export_cmd, generate_cmd, quickstart, retune_cmd, train_cmd
+    from draftsmith import eval_cmd, export_cmd, generate_cmd, quickstart, retune_cmd, serve_cmd, train_cmd
 
     parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__)
     parser.add_argument("--version", action="version", version=f"draftsmith {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (generate_cmd, train_cmd, retune_cmd, eval_cmd, export_cmd, quickstart):
+    for module in (generate_cmd, train_cmd, retune_cmd, eval_cmd, export_cmd, serve_cmd, quickstart):
         module.register(sub)
     return parser
 

@@ -430,7 +430,7 @@ class _Run:
         row, request = self.rows[b], self.requests[b]
         room = request.max_new_tokens - len(self.outputs[row])
         tokens = tokens[:room]
-        stops = self.d.stop_token_ids
+        stops = frozenset() if request.ignore_eos else self.d.stop_token_ids
         stop_at = next((i for i, t in enumerate(tokens) if t in stops or t in request.stop_token_ids), None)
         if stop_at is not None:
             tokens = tokens[: stop_at + 1]

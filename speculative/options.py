@@ -56,6 +56,8 @@ class Request:
     """Most draft tokens per round for this request; None = the engine's D, 0 = plain decoding."""
     stop_token_ids: frozenset[int] = frozenset()
     """Stop tokens besides the decoder's own (its EOS)."""
+    ignore_eos: bool = False
+    """Do not stop at the decoder's own stop tokens (fixed-length runs for benchmarks)."""
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))

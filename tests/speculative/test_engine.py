@@ -235,3 +235,15 @@ def test_fused_verifier_rows_joining_later_repeat(target, random_drafter):
     tokens, _, _ = run_schedule(Engine(decoder, DecodeOptions(draft_len=3)), requests, schedule)
     assert tokens == [decoder.generate([list(r.prompt)], [r.sampling], DecodeOptions(
         max_new_tokens=r.max_new_tokens, draft_len=3)).tokens[0] for r in requests]
+
+
+def test_per_request_stop_ids_and_ignore_eos(target, hf_greedy):
+    reference = hf_greedy(target, PROMPTS[0], 10)
+    decoder = SpeculativeDecoder(target, NGramProposer(), stop_token_ids=[reference[2]])
+    engine = Engine(decoder, DecodeOptions(draft_len=D))
+    requests = [Request(PROMPTS[0], max_new_tokens=10), Request(PROMPTS[0], max_new_tokens=10, ignore_eos=True),
+                Request(PROMPTS[0], max_new_tokens=10, ignore_eos=True, stop_token_ids=frozenset([reference[5]]))]
+    tokens, reasons, _ = run_schedule(engine, requests, [(0, 0, 10, None)] * 3)
+    cut = reference.index(reference[2]) + 1  # the decoder's stop id, wherever it first appears
+    assert tokens == [reference[:cut], reference, reference[: reference.index(reference[5]) + 1]]
+    assert reasons == ["stop", "length", "stop"]
