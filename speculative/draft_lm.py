@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from draftsmith.speculative import kinds
 from draftsmith.speculative.errors import InvalidInputError
-from draftsmith.speculative.kinds import DrafterKind, Footprint, kv_bytes_per_token, top1_agreement, weight_bytes
+from draftsmith.speculative.kinds import Footprint, ModelKind, kv_bytes_per_token, top1_agreement, weight_bytes
 from draftsmith.speculative.proposers import ChainProposer
 
 
@@ -104,7 +104,7 @@ class DraftLMForTraining(nn.Module):
 
 
 @kinds.register
-class DraftLMKind(DrafterKind):
+class DraftLMKind(ModelKind):
     name = "draft-lm"
     has_checkpoint = True
     trainable = True
@@ -140,19 +140,8 @@ class DraftLMKind(DrafterKind):
         return Footprint(weight_bytes(proposer.model), kv_bytes_per_token(proposer.model.config, element_size=element),
                          "own")
 
-    def identity(self, proposer):
-        from draftsmith.speculative.loading import state_dict_hash
-
-        return {"weight_hash": state_dict_hash(proposer.model), "shares_target_weights": False}
-
-    def draft_model(self, proposer):
-        return proposer.model
-
     def assistant_model(self, proposer):
         return proposer.model
-
-    def modules(self, proposer):
-        return [proposer.model]
 
     # --- training
 

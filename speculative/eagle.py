@@ -42,7 +42,7 @@ from transformers import AutoModel
 from draftsmith.speculative import kinds
 from draftsmith.speculative.draft_lm import draft_lm_config
 from draftsmith.speculative.errors import ModelLoadError
-from draftsmith.speculative.kinds import DrafterKind, Footprint, kv_bytes_per_token, top1_agreement, weight_bytes
+from draftsmith.speculative.kinds import Footprint, ModelKind, kv_bytes_per_token, top1_agreement, weight_bytes
 from draftsmith.speculative.kv import KVState, additive_mask
 from draftsmith.speculative.proposers import ChainProposer, Draft, RoundContext, left_pad
 
@@ -289,7 +289,7 @@ def to_draft_vocab(vocab, teacher_logits, teacher_probs):
 
 
 @kinds.register
-class EagleKind(DrafterKind):
+class EagleKind(ModelKind):
     name = "eagle"
     has_checkpoint = True
     trainable = True
@@ -327,17 +327,6 @@ class EagleKind(DrafterKind):
         return Footprint(weight_bytes(proposer.model, exclude=target),
                          kv_bytes_per_token(proposer.model.config, element_size=element),
                          "own layers; embeddings and lm_head shared with the target")
-
-    def identity(self, proposer):
-        from draftsmith.speculative.loading import state_dict_hash
-
-        return {"weight_hash": state_dict_hash(proposer.model), "shares_target_weights": False}
-
-    def draft_model(self, proposer):
-        return proposer.model
-
-    def modules(self, proposer):
-        return [proposer.model]
 
     def build(self, recipe, target):
         cfg = recipe.drafter

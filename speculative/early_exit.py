@@ -14,7 +14,7 @@ from torch import nn
 
 from draftsmith.speculative import kinds
 from draftsmith.speculative.errors import InvalidInputError
-from draftsmith.speculative.kinds import DrafterKind, Footprint, kv_bytes_per_token
+from draftsmith.speculative.kinds import Footprint, ModelKind, kv_bytes_per_token
 from draftsmith.speculative.proposers import ChainProposer
 
 
@@ -73,7 +73,7 @@ def _shallow_module_copy(module: nn.Module) -> nn.Module:
 
 
 @kinds.register
-class EarlyExitKind(DrafterKind):
+class EarlyExitKind(ModelKind):
     name = "early-exit"
     from_spec_name = True
 
@@ -90,11 +90,6 @@ class EarlyExitKind(DrafterKind):
     def identity(self, proposer):
         return {"weight_hash": None, "shares_target_weights": True, "layers": proposer.num_layers}
 
-    def draft_model(self, proposer):
-        return proposer.model
-
     def assistant_model(self, proposer):
         return proposer.model
 
-    def modules(self, proposer):
-        return [proposer.model]

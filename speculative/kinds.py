@@ -158,6 +158,22 @@ class DrafterKind:
         return drafter
 
 
+class ModelKind(DrafterKind):
+    """A kind whose proposer drafts with one module of its own, `proposer.model` (a draft LM, the
+    target's first layers, an EAGLE drafter): that module is what it runs, times and is identified by."""
+
+    def identity(self, proposer):
+        from draftsmith.speculative.loading import state_dict_hash
+
+        return {"weight_hash": state_dict_hash(proposer.model), "shares_target_weights": False}
+
+    def draft_model(self, proposer):
+        return proposer.model
+
+    def modules(self, proposer):
+        return [proposer.model]
+
+
 def weight_bytes(module: nn.Module, exclude: nn.Module | None = None) -> int:
     """Bytes of a module's parameters, each tensor once, leaving out those of `exclude`."""
     skip = {p.data_ptr() for p in exclude.parameters()} if exclude is not None else set()

@@ -14,7 +14,7 @@ from draftsmith.speculative.loading import load_model
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("speculative", "data", "train", "eval", "cli", "benchmarks")
 # The kinds' own modules (and the registry) are where a kind's type and name may appear.
-KIND_MODULES = {"speculative/kinds.py"} | {
+KIND_MODULES = {"speculative/kinds.py", "speculative/formats.py"} | {  # formats.py: eagle3's engine formats
     m.removeprefix("draftsmith.").replace(".", "/") + ".py" for m in kinds.BUILTIN_MODULES}
 
 
