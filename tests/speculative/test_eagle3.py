@@ -410,3 +410,32 @@ def test_corrupt_or_mismatched_checkpoints_give_one_line_errors(loaded_target, d
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.raises(ModelLoadError, match="cannot load eagle3 weights"):
         load_drafter_dir(out2, loaded_target)
+
+
+@pytest.mark.embedded
+@pytest.mark.slow
+def test_on_the_embedded_smollm2_target_default_layers_exactness_and_engine_numbering(tmp_path):
+    """The real architecture: SmolLM2-135M (30 layers, 9 heads over 3 KV heads) gets EAGLE-3's layers
+    [2, 15, 27]; an untrained drafter stays exact; the exports number them 2/15/27 (vLLM) and 1/14/26
+    (SGLang)."""
+    from draftsmith.speculative import formats
+
+    target = load_model("smollm2-135m-instruct")
+    config = target.model.config
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(config, default_target_layers(config.num_hidden_layers), 1)
+    drafter = drafter.attach_target(target.model, init=True)
+    drafter.set_draft_vocab(torch.arange(2000), from_target=True)
+    drafter = drafter.to(target.model.dtype).eval()
+    assert drafter.target_layers == [2, 15, 27] and drafter.fc.in_features == 3 * config.hidden_size
+    prompts = [target.tokenizer("The capital of France is")["input_ids"], target.tokenizer("1, 2, 3,")["input_ids"]]
+    options = DecodeOptions(max_new_tokens=16, draft_len=3)
+    plain = SpeculativeDecoder(target.model, None).generate(prompts, options=options).tokens
+    assert SpeculativeDecoder(target.model, Eagle3Proposer(drafter)).generate(prompts, options=options).tokens == plain
+    out = save_drafter(tmp_path / "e3", drafter, target.tokenizer, DrafterInfo.for_target("eagle3", target))
+    spec = json.loads((formats.export(out, "speculators", tmp_path / "spec") / "config.json").read_text())
+    assert spec["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert spec["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    sgl = json.loads((formats.export(out, "sglang", tmp_path / "sgl") / "config.json").read_text())
+    assert sgl["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+    assert sgl["num_attention_heads"] == 9 and sgl["num_key_value_heads"] == 3
