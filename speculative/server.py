@@ -76,7 +76,8 @@ class Serving:
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ApiError(400, f"the prompt has token ids outside 0..{vocab - 1}", "prompt")
         room = None if self.context_window is None else self.context_window - len(prompt)
-        max_tokens = body.max_tokens or default_max or min(self.default_max_tokens, max(room or 1, 1))
+        max_tokens = body.max_tokens or default_max or min(self.default_max_tokens,
+                                                           self.default_max_tokens if room is None else max(room, 1))
         if room is not None and max_tokens > room:
             raise ApiError(400, f"This model's maximum context length is {self.context_window} tokens; the request "
                                 f"asks for {len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} "
@@ -189,7 +190,12 @@ def create_app(serving: Serving) -> FastAPI:
         body.check()
         serving.check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = encode_prompt(serving.tokenizer, messages, chat=True)
+        try:
+            prompt = encode_prompt(serving.tokenizer, messages, chat=True)
+        except InvalidInputError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a template that refuses these messages (jinja raises)
+            raise ApiError(400, f"the chat template cannot render these messages: {error}", "messages") from None
         return await _respond(serving, body, prompt, http, chat=True, default_max=None)
 
     return app
