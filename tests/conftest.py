@@ -15,7 +15,10 @@ if not torch.cuda.is_available():
 
 from draftsmith.speculative.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One thread: the tiny models gain nothing from a second one, and on a busy 2-core machine the idle
+# thread spin-waits; with two, the suite ran 10 to 20 times slower there. Subprocesses inherit it.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _hf_greedy(model, prompt, max_new_tokens, eos=None):
@@ -23,6 +26,15 @@ def _hf_greedy(model, prompt, max_new_tokens, eos=None):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): one per core, at most 4, for a whole tier (no test
+    paths given); none for a run of chosen files, where starting a worker costs more than it saves."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(cores or 1, 4)
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,7 @@ def test_train_with_a_bad_prompt_source(override, message, dataset_repo, tmp_pat
     assert message in one_error_line(capsys, argv)
 
 
+@pytest.mark.slow  # a fresh interpreter spends seconds importing; the default run has one such check
 def test_a_missing_hub_dataset_offline_is_one_line(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     result = subprocess.run([sys.executable, "-m", "draftsmith", *EVAL, "--prompts", "hf:nobody/no-such-dataset",

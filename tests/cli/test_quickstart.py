@@ -7,9 +7,8 @@ import torch
 
 from draftsmith.cli import main
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
     out = tmp_path / "qs"
     assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0

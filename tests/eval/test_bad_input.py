@@ -93,6 +93,7 @@ def test_refuses_a_non_empty_out_dir(baseline, models, prompt_file, tmp_path, ca
     assert code == 2 and "already holds files" in lines[-1] and "--overwrite" in lines[-1]
 
 
+@pytest.mark.slow  # a fresh interpreter spends seconds importing; the default run has one such check
 def test_corrupt_baseline_in_a_subprocess_has_no_traceback(baseline, models, tmp_path):
     corrupt = tmp_path / "report.json"
     corrupt.write_text(baseline.read_text()[:200])

@@ -21,8 +21,6 @@ from draftsmith.train.config import load_recipe
 from draftsmith.train.loop import train
 from draftsmith.speculative.options import DecodeOptions
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
@@ -34,6 +32,7 @@ def tiny(name, out, data_cache, *extra):
     return load_recipe(name, [f"output_dir={out}", f"data.cache_dir={data_cache}", *extra])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-draft-lm", "tiny-medusa", "tiny-eagle"])
 def test_trained_drafter_beats_untrained_and_serves_exactly(name, tmp_path, data_cache, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -70,6 +69,7 @@ def drafter_weights(out: Path) -> dict:
     return load_file(str(out / "drafter" / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path, data_cache):
     common = ["tiny-draft-lm", f"data.cache_dir={data_cache}", "train.steps=20", "train.checkpoint_every=10",
               "train.eval_every=15", "tracking.report_to=none", "train.warmup_steps=3"]
@@ -98,6 +98,7 @@ def test_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path, data_cache):
     assert summary["resumed"] and summary["steps"] == 20
 
 
+@pytest.mark.slow
 def test_accelerate_launch_with_two_processes(tmp_path, data_cache):
     env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     out = tmp_path / "ddp"
@@ -165,6 +166,7 @@ def test_finished_run_is_never_overwritten(tmp_path, capsys):
     assert (out / "drafter" / "config.json").read_text() == "{}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep_best", [True, False])
 def test_keep_best_writes_the_weights_of_the_best_evaluation(keep_best, tmp_path, data_cache, monkeypatch):
     """Held-out ALs scripted to peak at step 10 of 30: with train.keep_best the drafter written is the

@@ -9,7 +9,7 @@ from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
 from draftsmith.speculative.early_exit import EarlyExitProposer
 from draftsmith.speculative.options import DecodeOptions
 
-pytestmark = pytest.mark.embedded
+pytestmark = [pytest.mark.embedded, pytest.mark.slow]  # a 30-layer model decoding on the CPU
 
 PROMPTS = [
     "What is the capital of France?",
