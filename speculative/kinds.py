@@ -72,6 +72,8 @@ class Teacher(Protocol):
 
     def hidden(self, batch: dict) -> torch.Tensor: ...
 
+    def states(self, batch: dict, layers) -> torch.Tensor: ...
+
     def at(self, positions: torch.Tensor, batch: dict, hidden: torch.Tensor | None = None): ...
 
     def loss(self, student: torch.Tensor, labels: torch.Tensor, **teacher) -> torch.Tensor: ...
@@ -93,6 +95,8 @@ class DrafterKind:
     from_spec_name: bool = False
     # Can draft the rows prompt lookup finds nothing for (`ngram+DRAFTER`).
     behind_lookup: bool = True
+    # Its objective needs live target passes (states of chosen layers): no offline teacher cache.
+    online_teacher_only: bool = False
 
     # --- from the command line ---------------------------------------------------------------
 

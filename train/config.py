@@ -265,7 +265,7 @@ class Recipe(Section):
             raise ValueError("on_policy.fraction > 0 needs drafter.kind: draft-lm (heads do not generate)")
         if self.on_policy.fraction > 0 and self.teacher.mode != "online":
             raise ValueError("on_policy.fraction > 0 needs teacher.mode: online (on-policy answers are scored live)")
-        if self.teacher.mode != "online" and getattr(kinds.get(self.drafter.kind), "online_teacher_only", False):
+        if self.teacher.mode != "online" and kinds.get(self.drafter.kind).online_teacher_only:
             raise ValueError(f"drafter.kind: {self.drafter.kind} needs teacher.mode: online (the offline teacher cache "
                              "holds no states of the layers it reads)")
         if self.lora.enabled and not generating:
