@@ -1,11 +1,12 @@
 """Teacher signals: what the target says about every position of the training sequences.
 
-Two modes share `teacher_forward`:
+Two modes:
 
     online    the target runs inside each training step (in the trainer)
     offline   `cache_teacher_signals` runs the target once per example and stores its signals
 
-The offline cache is a directory of safetensors shards, `shard_size` examples each:
+The offline cache is a directory of safetensors shards, `shard_size` examples each (by default as many
+as fit in SHARD_BYTES at the longest example's length, at most MAX_SHARD_EXAMPLES):
 
     shard-00000.safetensors
         topk_logprobs  [N_tok, k] dtype    the target's k largest log-probabilities (log_softmax at
@@ -18,7 +19,17 @@ The offline cache is a directory of safetensors shards, `shard_size` examples ea
 
 Position t's signals describe the target's prediction of token t + 1, as logits[:, t] do. The expected
 size is printed before anything is written; shards are written atomically, a rerun with the same
-settings resumes, and other settings in the same directory are refused.
+settings resumes (redoing a finished shard whose file is damaged), and other settings in the same
+directory are refused.
+
+Memory is bounded by the shard, whatever the data size. Writing holds one shard's tensors (allocated
+once) and one batch's last hidden states; the log-probs come from the lm_head over POSITIONS positions
+at a time, never a [batch, length, vocab] logits tensor. Reading maps one shard file at a time and
+copies out only the rows asked for (`TeacherCache.padded` builds a batch in the stored dtype).
+
+`teacher_signals` is what training calls: it names a cache by its data and the signals asked for, and
+reuses any finished cache of the same target, tokenizer and data that holds at least those signals (a
+recipe wanting top-8 log-probs reads a top-32 cache with hidden states), so recipes share one pass.
 
 A top-k cache keeps a truncated distribution; `sparse_teacher_probs` renormalizes it over the k ids.
 """
@@ -46,6 +57,11 @@ from draftsmith.speculative.fileio import atomic_file
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 
 KIND = "draftsmith-teacher-cache"
+SHARD_BYTES = 256 * 2**20  # a shard's tensors at most, unless one example alone is larger
+MAX_SHARD_EXAMPLES = 256
+POSITIONS = 256  # positions whose [POSITIONS, vocab] logits exist at once while caching
+FIELDS = ("topk_logprobs", "topk_ids", "hidden")
+RERUN = "rerun the caching (the same command) to compute it again"
 
 
 @torch.no_grad()
@@ -73,18 +89,57 @@ def cache_teacher_signals(
     top_k: int = 32,
     hidden: bool = True,
     batch_size: int = 8,
-    shard_size: int = 256,
+    shard_size: int | None = None,
     dtype: torch.dtype = torch.float16,
     progress: bool = True,
 ) -> "TeacherCache":
     """Cache the target's signals for every example of `dataset` (an input_ids column) in `out_dir`.
 
     Resumable: a rerun with the same settings skips finished shards; batch_size changes speed only.
+    shard_size None: the most examples of the longest length that fit in SHARD_BYTES (1..MAX_SHARD_EXAMPLES).
     """
-    vocab_size, hidden_size = target.model.get_output_embeddings().weight.shape
-    _check_args(dataset, top_k, vocab_size, batch_size, shard_size, dtype)
+    _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, shard_size, dtype)
     out_dir = Path(out_dir)
+    settings, lengths = _settings(target, dataset, top_k, hidden, dtype, shard_size)
+    return _write_cache(target, dataset, out_dir, settings, lengths, batch_size, progress)
+
+
+def teacher_signals(
+    target: LoadedModel,
+    dataset: datasets.Dataset,
+    root: Path,
+    name: str,
+    *,
+    top_k: int = 32,
+    hidden: bool = True,
+    batch_size: int = 8,
+    dtype: torch.dtype = torch.float16,
+    progress: bool = True,
+) -> "TeacherCache":
+    """The signals of `dataset` from a cache under `root` named `name-k*`, computed only when none has them.
+
+    `name` stands for the data (training calls it with a hash of the target and the data settings). In
+    order: a finished cache of the same target, tokenizer and token ids that holds at least these signals
+    (>= top_k log-probs, hidden states if asked, both in `dtype`; the smallest such) is read as it is,
+    through a view of just these signals; a cache with exactly these settings is resumed; else the signals
+    are cached in `root / name-k<top_k>-<hidden|logprobs>-<dtype>`.
+    """
+    _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, None, dtype)
+    settings, lengths = _settings(target, dataset, top_k, hidden, dtype, None)
+    found, finished = _find_cache(Path(root), name, settings)
+    if finished:
+        return TeacherCache(found, top_k=top_k, hidden=hidden)
+    out_dir = found or Path(root) / f"{name}-k{top_k}-{_signals_tag(hidden, dtype)}"
+    return _write_cache(target, dataset, out_dir, settings, lengths, batch_size, progress)
+
+
+def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden: bool, dtype: torch.dtype,
+              shard_size: int | None) -> tuple[dict, list[int]]:
+    """What decides a cache's contents (its manifest's settings), and every example's length."""
+    vocab_size, hidden_size = target.model.get_output_embeddings().weight.shape
     lengths, fingerprint = _lengths_and_fingerprint(dataset)
+    if shard_size is None:
+        shard_size = default_shard_size(max(lengths), top_k, hidden_size if hidden else None, dtype)
     settings = {
         "target": target.name,
         "target_weight_hash": target.weight_hash(),
@@ -99,14 +154,25 @@ def cache_teacher_signals(
         "num_tokens": sum(lengths),
         "dataset_fingerprint": fingerprint,
     }
+    return settings, lengths
+
+
+def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, settings: dict, lengths: list[int],
+                 batch_size: int, progress: bool) -> "TeacherCache":
+    top_k, hidden, shard_size = settings["top_k"], settings["hidden"], settings["shard_size"]
+    dtype = DTYPES[settings["dtype"]]
     num_shards = math.ceil(len(dataset) / shard_size)
     manifest = check_run_dir(out_dir, KIND, settings)
-    if manifest is not None and manifest["complete"]:
+    damaged = _damaged_shards(out_dir, manifest) if manifest is not None else {}
+    if manifest is not None and manifest["complete"] and not damaged:
         return TeacherCache(out_dir)
-    print(size_line(len(dataset), sum(lengths), top_k, hidden_size if hidden else None, dtype, num_shards),
-          file=sys.stderr)
+    print(size_line(len(dataset), sum(lengths), top_k, settings["hidden_size"] if hidden else None, dtype,
+                    num_shards), file=sys.stderr)
     manifest = manifest or create_run_dir(out_dir, KIND, settings, num_shards)
-    done = {s for s in manifest["shards_done"] if (out_dir / shard_file(s)).is_file()}
+    for problem in damaged.values():
+        print(f"teacher cache: {problem}; computing it again", file=sys.stderr)
+    done = set(manifest["shards_done"]) - set(damaged)
+    manifest["complete"] = manifest["complete"] and not damaged
     if done:
         print(f"teacher cache: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
@@ -143,6 +209,74 @@ def shard_file(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
 
 
+def default_shard_size(longest: int, top_k: int, hidden_size: int | None, dtype: torch.dtype) -> int:
+    """Examples per shard: as many of `longest` tokens as fit in SHARD_BYTES, 1..MAX_SHARD_EXAMPLES."""
+    width = torch.finfo(dtype).bits // 8
+    per_example = longest * (top_k * (width + 4) + (hidden_size * width if hidden_size else 0))
+    return max(1, min(MAX_SHARD_EXAMPLES, SHARD_BYTES // per_example))
+
+
+def _signals_tag(hidden: bool, dtype: torch.dtype) -> str:
+    return f"{'hidden' if hidden else 'logprobs'}-{dtype_name(dtype)}"
+
+
+def _find_cache(root: Path, name: str, settings: dict) -> tuple[Path | None, bool]:
+    """The cache under `root` to use for `settings`: (the smallest finished, whole one that covers them,
+    True), else (one with exactly these settings, to resume or repair, False), else (None, False).
+    Directories that hold no readable teacher cache manifest are passed over."""
+    same_data = ("target_weight_hash", "tokenizer_hash", "vocab_size", "hidden_size", "num_examples",
+                 "num_tokens", "dataset_fingerprint")
+    covering, exact = [], None
+    for path in sorted(root.glob(f"{name}-k*")):
+        try:
+            manifest = read_manifest(path, KIND)
+        except InvalidInputError:
+            continue
+        have = manifest["settings"]
+        if have == settings:
+            exact = path
+        if manifest["complete"] and all(have.get(k) == settings[k] for k in same_data) and \
+                have.get("dtype") == settings["dtype"] and have.get("top_k", 0) >= settings["top_k"] and \
+                (have.get("hidden") or not settings["hidden"]) and not _damaged_shards(path, manifest):
+            covering.append((have["top_k"], bool(have["hidden"]), str(path)))
+    if covering:
+        return Path(min(covering)[2]), True
+    return exact, False
+
+
+def _damaged_shards(out_dir: Path, manifest: dict) -> dict[int, str]:
+    """The shards the manifest calls done whose files are not whole (headers checked), with what is wrong."""
+    settings = manifest["settings"]
+    hidden_size = settings["hidden_size"] if settings["hidden"] else None
+    damaged = {}
+    for shard in manifest["shards_done"]:
+        examples = len(shard_range(shard, settings["shard_size"], settings["num_examples"]))
+        try:
+            check_shard(out_dir / shard_file(shard), examples, settings["top_k"], hidden_size)
+        except InvalidInputError as exc:
+            damaged[shard] = str(exc)
+    return damaged
+
+
+def check_shard(path: Path, examples: int, top_k: int, hidden_size: int | None) -> None:
+    """A one-line InvalidInputError unless `path` is a readable shard of `examples` examples with top_k
+    log-probs and ids (and hidden states of hidden_size, if not None) for the same tokens."""
+    if not path.is_file():
+        raise InvalidInputError(f"teacher cache shard {path} is missing")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt ({first_line(exc)})") from None
+    expected = {"topk_logprobs": top_k, "topk_ids": top_k}
+    if hidden_size is not None:
+        expected["hidden"] = hidden_size
+    tokens = shapes.get("topk_logprobs", [None])[0]
+    if shapes.get("offsets") != [examples + 1] or any(shapes.get(n) != [tokens, w] for n, w in expected.items()):
+        raise InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt (tensors missing or of "
+                                "the wrong shape)")
+
+
 def sparse_teacher_probs(
     topk_logprobs: torch.Tensor,  # [..., k]
     topk_ids: torch.Tensor,  # [..., k] integer ids in 0..V-1
@@ -159,12 +293,16 @@ class TeacherCache:
     """Read access to a finished cache: `cache[i]` holds example i's signals.
 
     Items: topk_logprobs [L, k] float32, topk_ids [L, k] int64 and, when cached, hidden [L, H]
-    float32, L = len(input_ids[i]). Shards are memory-mapped on demand (one open at a time) and only
-    the example's rows are read. Opening checks the manifest and every shard's header, so a missing or
+    float32, L = len(input_ids[i]); `field` and `padded` give the same in the stored dtypes. Shards are
+    memory-mapped on demand (one open at a time, so resident memory is bounded by a shard) and only the
+    example's rows are read. Opening checks the manifest and every shard's header, so a missing or
     corrupt file is reported at once, by name.
+
+    top_k, hidden: a view of fewer signals than the cache holds (its first top_k log-probs; no hidden
+    states), for a recipe that reuses a larger cache (`teacher_signals`). None: all it holds.
     """
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, *, top_k: int | None = None, hidden: bool | None = None):
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir, KIND)
         settings = self.manifest["settings"]
@@ -173,8 +311,13 @@ class TeacherCache:
                 f"teacher cache {self.dir} is unfinished ({len(self.manifest['shards_done'])}/"
                 f"{self.manifest['num_shards']} shards); rerun cache_teacher_signals to finish it"
             )
-        self.top_k: int = settings["top_k"]
-        self.has_hidden: bool = settings["hidden"]
+        if top_k is not None and not 1 <= top_k <= settings["top_k"]:
+            raise InvalidInputError(f"teacher cache {self.dir} holds top-{settings['top_k']} log-probs, not {top_k}")
+        if hidden and not settings["hidden"]:
+            raise InvalidInputError(f"teacher cache {self.dir} holds no hidden states")
+        self._stored = settings
+        self.top_k: int = top_k or settings["top_k"]
+        self.has_hidden: bool = settings["hidden"] if hidden is None else hidden
         self.hidden_size: int = settings["hidden_size"]
         self.vocab_size: int = settings["vocab_size"]
         self.shard_size: int = settings["shard_size"]
@@ -187,21 +330,34 @@ class TeacherCache:
         return self._len
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        i = int(i)
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"teacher cache index {i} out of range for {self._len} examples")
+        item = {"topk_logprobs": self.field(i, "topk_logprobs").float(), "topk_ids": self.field(i, "topk_ids").long()}
+        if self.has_hidden:
+            item["hidden"] = self.field(i, "hidden").float()  # (copies: an item never pins the mapped file)
+        return item
+
+    def field(self, i: int, name: str) -> torch.Tensor:
+        """Example i's rows of one signal as stored: topk_logprobs [L, top_k] and hidden [L, H] in the
+        cache's dtype, topk_ids [L, top_k] int32. A copy, which holds no part of the mapped file."""
+        return self._rows(i, name).clone(memory_format=torch.contiguous_format)
+
+    def _rows(self, i: int, name: str) -> torch.Tensor:
+        # A view of the mapped shard file (safetensors' slices share its pages): to be copied, not kept.
+        i = _checked_index(i, self._len)
+        if name not in FIELDS or (name == "hidden" and not self.has_hidden):
+            raise KeyError(f"teacher cache {self.dir} has no {name!r} signal here")
         shard, local = divmod(i, self.shard_size)
         handle, offsets = self._shard(shard)
+        rows = handle.get_slice(name)
         start, stop = offsets[local], offsets[local + 1]
-        item = {
-            "topk_logprobs": handle.get_slice("topk_logprobs")[start:stop].float(),
-            "topk_ids": handle.get_slice("topk_ids")[start:stop].long(),
-        }
-        if self.has_hidden:
-            item["hidden"] = handle.get_slice("hidden")[start:stop].float()
-        return item
+        try:
+            return rows[start:stop] if name == "hidden" else rows[start:stop, : self.top_k]
+        except SafetensorError as exc:  # the header was whole, the data behind it is not
+            raise self._corrupt(self.dir / shard_file(shard), exc) from None
+
+    def padded(self, indices: list[int], name: str, length: int | None = None) -> torch.Tensor:
+        """[B, length, width]: `field` of each example in `indices`, zero-padded (or cut) to `length`
+        (default: the longest), in the stored dtype; what a training batch reads."""
+        return _padded(self, indices, name, length)
 
     def __getstate__(self) -> dict:
         # A safe_open handle cannot be pickled (DataLoader workers); each copy reopens its own.
@@ -219,31 +375,15 @@ class TeacherCache:
         return self._open[1], self._open[2]
 
     def _check_shard(self, shard: int) -> None:
-        path = self.dir / shard_file(shard)
-        if not path.is_file():
-            raise InvalidInputError(f"teacher cache shard {path} is missing; delete {self.dir} and rerun")
         examples = len(shard_range(shard, self.shard_size, self._len))
+        hidden_size = self.hidden_size if self._stored["hidden"] else None
         try:
-            with safe_open(str(path), framework="pt") as f:
-                shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
-        except (OSError, SafetensorError) as exc:
-            raise self._corrupt(path, exc) from None
-        expected = {"topk_logprobs": self.top_k, "topk_ids": self.top_k}
-        if self.has_hidden:
-            expected["hidden"] = self.hidden_size
-        tokens = shapes.get("topk_logprobs", [None])[0]
-        wrong = shapes.get("offsets") != [examples + 1] or any(
-            shapes.get(name) != [tokens, width] for name, width in expected.items()
-        )
-        if wrong:
-            raise self._corrupt(path, ValueError("tensors missing or of the wrong shape"))
+            check_shard(self.dir / shard_file(shard), examples, self._stored["top_k"], hidden_size)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"{exc}; {RERUN}") from None
 
     def _corrupt(self, path: Path, exc: BaseException) -> InvalidInputError:
-        return InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt ({first_line(exc)}); "
-                                 f"delete {self.dir} and rerun")
-
-
-# --- computing one shard -----------------------------------------------------------------------
+        return InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt ({first_line(exc)}); {RERUN}")
 
 
 class ConcatTeacher:
@@ -261,46 +401,103 @@ class ConcatTeacher:
         return self._starts[-1]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        i = int(i)
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(f"teacher cache index {i} out of range for {len(self)} examples")
+        part, local = self._locate(i)
+        return self.caches[part][local]
+
+    def field(self, i: int, name: str) -> torch.Tensor:
+        part, local = self._locate(i)
+        return self.caches[part].field(local, name)
+
+    def _rows(self, i: int, name: str) -> torch.Tensor:
+        part, local = self._locate(i)
+        return self.caches[part]._rows(local, name)
+
+    def padded(self, indices: list[int], name: str, length: int | None = None) -> torch.Tensor:
+        return _padded(self, indices, name, length)
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        i = _checked_index(i, len(self))
         part = bisect.bisect_right(self._starts, i) - 1
-        return self.caches[part][i - self._starts[part]]
+        return part, i - self._starts[part]
+
+
+def _checked_index(i: int, length: int) -> int:
+    i = int(i)
+    if i < 0:
+        i += length
+    if not 0 <= i < length:
+        raise IndexError(f"teacher cache index {i} out of range for {length} examples")
+    return i
+
+
+def _padded(reader, indices: list[int], name: str, length: int | None) -> torch.Tensor:
+    # In index order, so that rows of one shard are read while it is open.
+    rows: list[torch.Tensor | None] = [None] * len(indices)
+    for b in sorted(range(len(indices)), key=lambda b: int(indices[b])):
+        rows[b] = reader._rows(indices[b], name)
+    length = max(r.shape[0] for r in rows) if length is None else length
+    out = rows[0].new_zeros(len(rows), length, rows[0].shape[1])
+    for b, r in enumerate(rows):
+        out[b, : min(r.shape[0], length)] = r[:length]
+    return out
+
+
+# --- computing one shard -----------------------------------------------------------------------
 
 
 def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, batch_size: int, dtype: torch.dtype,
                    pad_id: int, bar) -> dict[str, torch.Tensor]:
-    """The shard's tensors, examples in dataset order; batched by length for less padding."""
+    """The shard's tensors, examples in dataset order; batched by length for less padding.
+
+    The tensors are allocated once at their final size and filled batch by batch; the log-probs come from
+    the lm_head over POSITIONS positions at a time (`teacher_at_positions`)."""
     sequences = dataset[rows.start: rows.stop]["input_ids"]
+    offsets = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.int64).cumsum(0)
+    tokens = int(offsets[-1])
+    lm_head = model.get_output_embeddings()
+    tensors = {"topk_logprobs": torch.empty(tokens, top_k, dtype=dtype),
+               "topk_ids": torch.empty(tokens, top_k, dtype=torch.int32), "offsets": offsets}
+    if hidden:
+        tensors["hidden"] = torch.empty(tokens, lm_head.weight.shape[1], dtype=dtype)
     order = sorted(range(len(sequences)), key=lambda j: len(sequences[j]))
-    per_example: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [None] * len(sequences)
     device = next(model.parameters()).device
     for begin in range(0, len(order), batch_size):
         chunk = order[begin: begin + batch_size]
         batch = pad_batch([{"input_ids": sequences[j]} for j in chunk], pad_id)
-        logits, states = teacher_forward(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                         want_hidden=hidden)
+        states = teacher_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
         for b, j in enumerate(chunk):
-            n = len(sequences[j])
-            # Row by row: a float32 copy of the whole batch's [B, L, V] logits would double the peak memory.
-            top = torch.log_softmax(logits[b, :n].float(), dim=-1).topk(top_k, dim=-1)  # [n, k]
-            per_example[j] = (
-                top.values.to(dtype).cpu(),
-                top.indices.to(torch.int32).cpu(),
-                states[b, :n].to(dtype).cpu() if hidden else None,
-            )
+            start, stop = int(offsets[j]), int(offsets[j + 1])
+            values, ids = teacher_at_positions(lm_head, states[b, : stop - start], top_k)
+            tensors["topk_logprobs"][start:stop] = values
+            tensors["topk_ids"][start:stop] = ids
+            if hidden:
+                tensors["hidden"][start:stop] = states[b, : stop - start]
         bar.update(len(chunk))
-    lengths = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.int64)
-    tensors = {
-        "topk_logprobs": torch.cat([e[0] for e in per_example]).contiguous(),
-        "topk_ids": torch.cat([e[1] for e in per_example]).contiguous(),
-        "offsets": lengths.cumsum(0),
-    }
-    if hidden:
-        tensors["hidden"] = torch.cat([e[2] for e in per_example]).contiguous()
     return tensors
+
+
+@torch.no_grad()
+def teacher_states(
+    model,
+    input_ids: torch.Tensor,  # [B, L] int64, right-padded
+    attention_mask: torch.Tensor,  # [B, L], 1 on real tokens
+) -> torch.Tensor:  # [B, L, H]
+    """The target's last hidden states (the final-norm output, `teacher_forward`'s hidden) without its
+    logits: lm_head(states) are the logits, as the online teacher computes them (train/loop.py)."""
+    return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+@torch.no_grad()
+def teacher_at_positions(
+    lm_head: torch.nn.Module,
+    states: torch.Tensor,  # [n, H] one example's last hidden states
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [n, k] float32, descending; ids [n, k] int64
+    """The k largest log-probabilities (log_softmax at temperature 1) at each position, and their ids,
+    from the lm_head over POSITIONS positions at a time: [POSITIONS, vocab] float32 logits at most."""
+    parts = [torch.log_softmax(lm_head(states[p: p + POSITIONS]).float(), dim=-1).topk(top_k, dim=-1)
+             for p in range(0, states.shape[0], POSITIONS)]
+    return torch.cat([t.values for t in parts]), torch.cat([t.indices for t in parts])
 
 
 def _lengths_and_fingerprint(dataset: datasets.Dataset) -> tuple[list[int], str]:
@@ -324,7 +521,7 @@ def _check_args(dataset, top_k, vocab_size, batch_size, shard_size, dtype) -> No
     if not isinstance(top_k, int) or not 1 <= top_k <= vocab_size:
         raise InvalidInputError(f"top_k must be in 1..{vocab_size} (the vocabulary size), got {top_k!r}")
     for name, value in (("batch_size", batch_size), ("shard_size", shard_size)):
-        if not isinstance(value, int) or value < 1:
+        if (value is not None or name == "batch_size") and (not isinstance(value, int) or value < 1):
             raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
     if dtype not in DTYPES.values():
         raise InvalidInputError(f"teacher cache dtype must be one of {', '.join(DTYPES)}, got {dtype}")

@@ -162,6 +162,9 @@ class TeacherConfig(Section):
     """online: the target runs inside each training step; offline: cached top-k log-probs / hidden states."""
     top_k: int = Field(32, ge=1)
     """offline: log-probabilities kept per position."""
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"
+    """offline: how the cache stores log-probs and hidden states; float16 halves float32's disk and
+    page cache, bfloat16 keeps float32's range (for targets whose hidden states overflow float16)."""
 
 
 class LossConfig(Section):

@@ -21,9 +21,10 @@ from draftsmith.data.render import TOKEN_FEATURES, render_prompt, tokenize_datas
 from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
 from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
 from draftsmith.data.stream import stream_conversations
-from draftsmith.data.teacher import ConcatTeacher, TeacherCache, cache_teacher_signals
+from draftsmith.data.teacher import ConcatTeacher, TeacherCache, teacher_signals
 from draftsmith.speculative import kinds
 from draftsmith.speculative.kinds import frequent_answer_tokens  # noqa: F401  (used by tests)
+from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
 from draftsmith.train.config import DataColumns, PromptSource, Recipe
@@ -213,9 +214,10 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         raise InvalidInputError("no training sequences with answer tokens are left (empty dataset)")
     teacher = None
     if recipe.teacher.mode == "offline":
-        caches = [cache_teacher_signals(target, part, cache_root / f"teacher-{part_key}-{cfg.max_length}"
-                                        f"-k{recipe.teacher.top_k}", top_k=recipe.teacher.top_k,
-                                        hidden=kinds.get(recipe.drafter.kind).needs_teacher_hidden, progress=progress and is_main)
+        # Named by the data; any finished cache of it with at least these signals is reused (teacher_signals).
+        caches = [teacher_signals(target, part, cache_root, f"teacher-{part_key}-{cfg.max_length}",
+                                  top_k=recipe.teacher.top_k, hidden=kinds.get(recipe.drafter.kind).needs_teacher_hidden,
+                                  dtype=DTYPES[recipe.teacher.dtype], progress=progress and is_main)
                   for part_key, part in parts]
         teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]

@@ -252,11 +252,8 @@ def teacher_at(positions, batch, target, data, recipe, hidden=None):
 
 
 def padded_cache_field(batch, data, name) -> torch.Tensor:  # [B, L, width] from the offline cache rows
-    rows = [data.teacher[i][name] for i in batch["index"].tolist()]
-    length = batch["input_ids"].shape[1]
-    out = torch.zeros(len(rows), length, rows[0].shape[-1], dtype=rows[0].dtype)
-    for b, value in enumerate(rows):
-        out[b, : value.shape[0]] = value[:length]
+    # In the cache's dtype (float16 by default); callers convert what they use.
+    out = data.teacher.padded(batch["index"].tolist(), name, batch["input_ids"].shape[1])
     return out.to(batch["input_ids"].device)
 
 
