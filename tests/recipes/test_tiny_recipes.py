@@ -176,7 +176,7 @@ def test_keep_best_writes_the_weights_of_the_best_evaluation(keep_best, tmp_path
     scripted = iter([1.1, 2.0, 1.5, 1.2])  # steps 0, 10, 20 and the final 30
     snapshots = []
 
-    def scripted_al(drafter, target, prompts, **_):
+    def scripted_al(drafter, kind, target, prompts, **_):
         snapshots.append({k: v.detach().clone() for k, v in drafter.state_dict().items()})
         return {"acceptance_length": next(scripted), "position_acceptance": []}
 
