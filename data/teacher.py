@@ -100,8 +100,8 @@ def cache_teacher_signals(
     """
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, shard_size, dtype)
     out_dir = Path(out_dir)
-    settings, lengths = _settings(target, dataset, top_k, hidden, dtype, shard_size)
-    return _write_cache(target, dataset, out_dir, settings, lengths, batch_size, progress)
+    settings = _settings(target, dataset, top_k, hidden, dtype, shard_size)
+    return _write_cache(target, dataset, out_dir, settings, batch_size, progress)
 
 
 def teacher_signals(
@@ -125,21 +125,21 @@ def teacher_signals(
     are cached in `root / name-k<top_k>-<hidden|logprobs>-<dtype>`.
     """
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, None, dtype)
-    settings, lengths = _settings(target, dataset, top_k, hidden, dtype, None)
+    settings = _settings(target, dataset, top_k, hidden, dtype, None)
     found, finished = _find_cache(Path(root), name, settings)
     if finished:
         return TeacherCache(found, top_k=top_k, hidden=hidden)
     out_dir = found or Path(root) / f"{name}-k{top_k}-{_signals_tag(hidden, dtype)}"
-    return _write_cache(target, dataset, out_dir, settings, lengths, batch_size, progress)
+    return _write_cache(target, dataset, out_dir, settings, batch_size, progress)
 
 
 def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden: bool, dtype: torch.dtype,
-              shard_size: int | None) -> tuple[dict, list[int]]:
-    """What decides a cache's contents (its manifest's settings), and every example's length."""
+              shard_size: int | None) -> dict:
+    """What decides a cache's contents: its manifest's settings."""
     vocab_size, hidden_size = target.model.get_output_embeddings().weight.shape
-    lengths, fingerprint = _lengths_and_fingerprint(dataset)
+    tokens, longest, fingerprint = _token_stats(dataset)
     if shard_size is None:
-        shard_size = default_shard_size(max(lengths), top_k, hidden_size if hidden else None, dtype)
+        shard_size = default_shard_size(longest, top_k, hidden_size if hidden else None, dtype)
     settings = {
         "target": target.name,
         "target_weight_hash": target.weight_hash(),
@@ -151,14 +151,14 @@ def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden
         "dtype": dtype_name(dtype),
         "shard_size": shard_size,
         "num_examples": len(dataset),
-        "num_tokens": sum(lengths),
+        "num_tokens": tokens,
         "dataset_fingerprint": fingerprint,
     }
-    return settings, lengths
+    return settings
 
 
-def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, settings: dict, lengths: list[int],
-                 batch_size: int, progress: bool) -> "TeacherCache":
+def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, settings: dict, batch_size: int,
+                 progress: bool) -> "TeacherCache":
     top_k, hidden, shard_size = settings["top_k"], settings["hidden"], settings["shard_size"]
     dtype = DTYPES[settings["dtype"]]
     num_shards = math.ceil(len(dataset) / shard_size)
@@ -166,7 +166,7 @@ def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, 
     damaged = _damaged_shards(out_dir, manifest) if manifest is not None else {}
     if manifest is not None and manifest["complete"] and not damaged:
         return TeacherCache(out_dir)
-    print(size_line(len(dataset), sum(lengths), top_k, settings["hidden_size"] if hidden else None, dtype,
+    print(size_line(len(dataset), settings["num_tokens"], top_k, settings["hidden_size"] if hidden else None, dtype,
                     num_shards), file=sys.stderr)
     manifest = manifest or create_run_dir(out_dir, KIND, settings, num_shards)
     for problem in damaged.values():
@@ -500,17 +500,18 @@ def teacher_at_positions(
     return torch.cat([t.values for t in parts]), torch.cat([t.indices for t in parts])
 
 
-def _lengths_and_fingerprint(dataset: datasets.Dataset) -> tuple[list[int], str]:
-    """Token count of every example, and sha256 over all input_ids in order."""
-    digest, lengths = sha256(), []
+def _token_stats(dataset: datasets.Dataset) -> tuple[int, int, str]:
+    """(total tokens, the longest example's tokens, sha256 over every example's length and input_ids in
+    order), in one pass that holds a thousand examples at a time."""
+    digest, tokens, longest, index = sha256(), 0, 0, 0
     for batch in dataset.select_columns(["input_ids"]).iter(batch_size=1000):
         for ids in batch["input_ids"]:
             if len(ids) == 0:
-                raise InvalidInputError(f"example {len(lengths)} of the dataset has no input_ids")
-            lengths.append(len(ids))
+                raise InvalidInputError(f"example {index} of the dataset has no input_ids")
+            tokens, longest, index = tokens + len(ids), max(longest, len(ids)), index + 1
             digest.update(len(ids).to_bytes(8, "little"))
             digest.update(np.asarray(ids, dtype=np.int64).tobytes())
-    return lengths, digest.hexdigest()
+    return tokens, longest, digest.hexdigest()
 
 
 def _check_args(dataset, top_k, vocab_size, batch_size, shard_size, dtype) -> None:
