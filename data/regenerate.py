@@ -25,6 +25,11 @@ On disk (`out_dir`), written so that a crash or Ctrl-C loses nothing already fin
 
 Every file is written to a temporary name beside its place and renamed into it. Row r is sampled
 with its own seed, derived from (seed, r), so outputs do not depend on batch size or composition.
+
+Throughput: one engine (speculative/engine.py) answers every shard with at most batch_size rows; a
+finished row leaves at once and a waiting prompt joins in its place, and prompts are queued shard by
+shard in order of length, so the batch neither drains to its longest row nor pads short prompts to long
+ones (`_generate_shards`). A shard is written when its last row finishes, so shards finish in any order.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import contextlib
 import json
 import math
 import sys
+from collections import deque
+from collections.abc import Iterator
 from hashlib import sha256
 from pathlib import Path
 
@@ -43,12 +50,13 @@ from draftsmith.data.manifest import open_run_dir, read_manifest, shard_range, w
 from draftsmith.data.render import TOKEN_FEATURES, render_prompt, render_user_turn
 from draftsmith.speculative.errors import InvalidInputError, first_line
 from draftsmith.speculative.fileio import atomic_directory, atomic_write_text
+from draftsmith.speculative.engine import Engine
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import LoadedModel, tokenizer_hash
 from draftsmith.speculative.prompts import stop_token_ids
 from draftsmith.speculative.proposers import Proposer
 from draftsmith.speculative.sampling import SamplingParams
-from draftsmith.speculative.options import DecodeOptions
+from draftsmith.speculative.options import DecodeOptions, Request
 
 KIND = "draftsmith-regenerated"
 OUTPUT_FEATURES = datasets.Features({
@@ -118,12 +126,9 @@ def regenerate(
     done_records = sum(len(shard_range(s, shard_size, len(conversations))) for s in done)
     with tqdm(total=len(conversations), initial=done_records, unit="rec", desc=desc,
               disable=not progress, file=sys.stderr) as bar:
-        for shard in range(num_shards):
-            if shard in done:
-                continue
-            records = shard_range(shard, shard_size, len(conversations))
-            rows = _generate_rows(decoder, target.tokenizer, conversations, records, settings,
-                                  batch_size, draft_len, bar, role)
+        todo = [shard for shard in range(num_shards) if shard not in done]
+        for shard, rows in _generate_shards(decoder, target.tokenizer, conversations, todo, settings, batch_size,
+                                            draft_len, bar, role):
             _write_shard(shard_dir / shard_name(shard), rows)
             done.add(shard)
             manifest["shards_done"] = sorted(done)
@@ -161,29 +166,57 @@ def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}.jsonl"
 
 
-# --- generating one shard ----------------------------------------------------------------------
+# --- generating the shards ---------------------------------------------------------------------
 
 
-def _generate_rows(decoder, tokenizer, conversations, records: range, settings: dict, batch_size: int,
-                   draft_len: int, bar, role: str) -> list[dict]:
-    """The output rows of `records`, in record order; batched by prompt length for less padding."""
-    rows = [_prompt_row(conversations[r], r, need_user=role == "assistant") for r in records]
+def _generate_shards(decoder, tokenizer, conversations, shards: list[int], settings: dict, batch_size: int,
+                     draft_len: int, bar, role: str) -> Iterator[tuple[int, list[dict]]]:
+    """(shard, its output rows in record order) for every shard in `shards`, as each one's last row finishes.
+
+    One engine runs at most `batch_size` rows; a row that finishes leaves at once and a waiting one joins
+    in its place, so the batch stays full instead of draining to its longest row. Each shard's requests are
+    queued in order of prompt length (length bucketing: rows that join together are prefilled with little
+    padding), and the next shard's as soon as fewer than `batch_size` wait, so shard ends do not drain it
+    either. Outputs do not depend on this schedule: a greedy row is the target's greedy decoding of it
+    alone, a sampled row draws from its own seed (`row_seed`).
+    """
+    engine = Engine(decoder, DecodeOptions(max_new_tokens=settings["max_new_tokens"], draft_len=draft_len),
+                    max_batch=batch_size)
     render = render_prompt if role == "assistant" else render_user_turn
-    prompts = [render(tokenizer, row["messages"]) for row in rows]
-    order = sorted(range(len(rows)), key=lambda k: len(prompts[k]))
-    for begin in range(0, len(order), batch_size):
-        chunk = order[begin: begin + batch_size]
-        params = [
-            SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"],
-                           seed=row_seed(settings["seed"], records[k]))
-            for k in chunk
-        ]
-        result = decoder.generate([prompts[k] for k in chunk], params, options=DecodeOptions(max_new_tokens=settings["max_new_tokens"],
-                                                                                             draft_len=draft_len))
-        for k, generated, reason in zip(chunk, result.tokens, result.finish_reasons):
-            _complete_row(rows[k], tokenizer, prompts[k], generated, reason, role)
-        bar.update(len(chunk))
-    return rows
+    pending = deque(shards)
+    running: dict[int, _ShardRun] = {}
+    owner: dict[int, tuple[int, int]] = {}  # request id -> (shard, row in the shard)
+    while pending or engine.busy:
+        while pending and engine.queued < batch_size:
+            shard = pending.popleft()
+            records = shard_range(shard, settings["shard_size"], settings["num_records"])
+            rows = [_prompt_row(conversations[r], r, need_user=role == "assistant") for r in records]
+            run = running[shard] = _ShardRun(rows, [render(tokenizer, row["messages"]) for row in rows])
+            for k in sorted(range(len(rows)), key=lambda k: len(run.prompts[k])):
+                sampling = SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"],
+                                          seed=row_seed(settings["seed"], records[k]))
+                owner[engine.add(Request(run.prompts[k], sampling, settings["max_new_tokens"]))] = (shard, k)
+        for emission in engine.step():
+            shard, k = owner[emission.request_id]
+            run = running[shard]
+            run.outputs[k] += emission.tokens
+            if emission.finish_reason is None:
+                continue
+            _complete_row(run.rows[k], tokenizer, run.prompts[k], run.outputs[k], emission.finish_reason, role)
+            del owner[emission.request_id]
+            run.left -= 1
+            bar.update(1)
+            if run.left == 0:
+                yield shard, running.pop(shard).rows
+
+
+class _ShardRun:
+    """A shard being answered: its rows, rendered prompts, tokens so far, and rows not yet finished."""
+
+    def __init__(self, rows: list[dict], prompts: list[list[int]]):
+        self.rows, self.prompts = rows, prompts
+        self.outputs: list[list[int]] = [[] for _ in rows]
+        self.left = len(rows)
 
 
 def _check_prompts(conversations: datasets.Dataset, tokenizer, need_user: bool) -> None:
