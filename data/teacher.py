@@ -14,6 +14,9 @@ as fit in SHARD_BYTES at the longest example's length, at most MAX_SHARD_EXAMPLE
         topk_ids       [N_tok, k] int32    their token ids
         hidden         [N_tok, H] dtype    the last hidden state (final-norm output, the lm_head's input);
                                            only when cached with hidden=True
+        states         [N_tok, n*H] dtype  the states entering the n target layers `layers` (transformers'
+                                           `hidden_states[i]`), concatenated in that order; only when
+                                           cached with layers (EAGLE-3 reads three of them)
         offsets        [n_ex + 1] int64    example j of the shard holds token rows offsets[j]:offsets[j+1]
     manifest.json   settings, target weight hash, tokenizer hash, dataset fingerprint, shards done
 
@@ -60,7 +63,7 @@ KIND = "draftsmith-teacher-cache"
 SHARD_BYTES = 256 * 2**20  # a shard's tensors at most, unless one example alone is larger
 MAX_SHARD_EXAMPLES = 256
 POSITIONS = 256  # positions whose [POSITIONS, vocab] logits exist at once while caching
-FIELDS = ("topk_logprobs", "topk_ids", "hidden")
+FIELDS = ("topk_logprobs", "topk_ids", "hidden", "states")
 RERUN = "rerun the caching (the same command) to compute it again"
 
 
@@ -88,6 +91,7 @@ def cache_teacher_signals(
     *,
     top_k: int = 32,
     hidden: bool = True,
+    layers: tuple[int, ...] = (),
     batch_size: int = 8,
     shard_size: int | None = None,
     dtype: torch.dtype = torch.float16,
@@ -95,12 +99,14 @@ def cache_teacher_signals(
 ) -> "TeacherCache":
     """Cache the target's signals for every example of `dataset` (an input_ids column) in `out_dir`.
 
-    Resumable: a rerun with the same settings skips finished shards; batch_size changes speed only.
-    shard_size None: the most examples of the longest length that fit in SHARD_BYTES (1..MAX_SHARD_EXAMPLES).
+    layers: indices into the target's `hidden_states` (0 the embeddings, i the state entering layer i)
+    whose states are stored too, as `states`. Resumable: a rerun with the same settings skips finished
+    shards; batch_size changes speed only. shard_size None: the most examples of the longest length that
+    fit in SHARD_BYTES (1..MAX_SHARD_EXAMPLES).
     """
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, shard_size, dtype)
     out_dir = Path(out_dir)
-    settings = _settings(target, dataset, top_k, hidden, dtype, shard_size)
+    settings = _settings(target, dataset, top_k, hidden, _checked_layers(layers, target), dtype, shard_size)
     return _write_cache(target, dataset, out_dir, settings, batch_size, progress)
 
 
@@ -112,6 +118,7 @@ def teacher_signals(
     *,
     top_k: int = 32,
     hidden: bool = True,
+    layers: tuple[int, ...] = (),
     batch_size: int = 8,
     dtype: torch.dtype = torch.float16,
     progress: bool = True,
@@ -120,26 +127,27 @@ def teacher_signals(
 
     `name` stands for the data (training calls it with a hash of the target and the data settings). In
     order: a finished cache of the same target, tokenizer and token ids that holds at least these signals
-    (>= top_k log-probs, hidden states if asked, both in `dtype`; the smallest such) is read as it is,
-    through a view of just these signals; a cache with exactly these settings is resumed; else the signals
-    are cached in `root / name-k<top_k>-<hidden|logprobs>-<dtype>`.
+    (>= top_k log-probs, hidden states if asked, the states of `layers` if asked, all in `dtype`; the
+    smallest such) is read as it is, through a view of just these signals; a cache with exactly these
+    settings is resumed; else the signals are cached in `root / name-k<top_k>-<signals>-<dtype>`.
     """
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, None, dtype)
-    settings = _settings(target, dataset, top_k, hidden, dtype, None)
+    layers = _checked_layers(layers, target)
+    settings = _settings(target, dataset, top_k, hidden, layers, dtype, None)
     found, finished = _find_cache(Path(root), name, settings)
     if finished:
-        return TeacherCache(found, top_k=top_k, hidden=hidden)
-    out_dir = found or Path(root) / f"{name}-k{top_k}-{_signals_tag(hidden, dtype)}"
+        return TeacherCache(found, top_k=top_k, hidden=hidden, layers=layers)
+    out_dir = found or Path(root) / f"{name}-k{top_k}-{_signals_tag(hidden, layers, dtype)}"
     return _write_cache(target, dataset, out_dir, settings, batch_size, progress)
 
 
-def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden: bool, dtype: torch.dtype,
-              shard_size: int | None) -> dict:
+def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden: bool, layers: list[int],
+              dtype: torch.dtype, shard_size: int | None) -> dict:
     """What decides a cache's contents: its manifest's settings."""
     vocab_size, hidden_size = target.model.get_output_embeddings().weight.shape
     tokens, longest, fingerprint = _token_stats(dataset)
     if shard_size is None:
-        shard_size = default_shard_size(longest, top_k, hidden_size if hidden else None, dtype)
+        shard_size = default_shard_size(longest, top_k, _token_width(hidden, layers, hidden_size), dtype)
     settings = {
         "target": target.name,
         "target_weight_hash": target.weight_hash(),
@@ -154,20 +162,41 @@ def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden
         "num_tokens": tokens,
         "dataset_fingerprint": fingerprint,
     }
+    if layers:  # (absent when none, so the manifests written before this option still match)
+        settings["layers"] = list(layers)
     return settings
+
+
+def _checked_layers(layers, target: LoadedModel) -> list[int]:
+    """`layers` as a list of distinct indices into `hidden_states` (0..num_hidden_layers; the last, the
+    final-norm output, is `hidden`), else a one-line InvalidInputError."""
+    top = target.model.config.num_hidden_layers
+    try:
+        layers = [int(i) for i in layers]
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"teacher cache layers must be integers, got {layers!r}") from None
+    if len(set(layers)) != len(layers) or not all(0 <= i < top for i in layers):
+        raise InvalidInputError(f"teacher cache layers must be distinct indices in 0..{top - 1} (states entering "
+                                f"those layers of {target.name}), got {layers}")
+    return layers
+
+
+def _token_width(hidden: bool, layers: list[int], hidden_size: int) -> int:
+    """The state elements stored per token: the last hidden state and those of `layers`."""
+    return (int(hidden) + len(layers)) * hidden_size
 
 
 def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, settings: dict, batch_size: int,
                  progress: bool) -> "TeacherCache":
     top_k, hidden, shard_size = settings["top_k"], settings["hidden"], settings["shard_size"]
-    dtype = DTYPES[settings["dtype"]]
+    layers, dtype = settings.get("layers", []), DTYPES[settings["dtype"]]
     num_shards = math.ceil(len(dataset) / shard_size)
     manifest = check_run_dir(out_dir, KIND, settings)
     damaged = _damaged_shards(out_dir, manifest) if manifest is not None else {}
     if manifest is not None and manifest["complete"] and not damaged:
         return TeacherCache(out_dir)
     print(size_line(len(dataset), settings["num_tokens"], top_k, settings["hidden_size"] if hidden else None, dtype,
-                    num_shards), file=sys.stderr)
+                    num_shards, layers), file=sys.stderr)
     manifest = manifest or create_run_dir(out_dir, KIND, settings, num_shards)
     for problem in damaged.values():
         print(f"teacher cache: {problem}; computing it again", file=sys.stderr)
@@ -183,7 +212,7 @@ def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, 
             if shard in done:
                 continue
             rows = shard_range(shard, shard_size, len(dataset))
-            tensors = _shard_tensors(target.model, dataset, rows, top_k, hidden, batch_size, dtype, pad_id, bar)
+            tensors = _shard_tensors(target.model, dataset, rows, top_k, hidden, layers, batch_size, dtype, pad_id, bar)
             with atomic_file(out_dir / shard_file(shard)) as scratch:
                 save_file(tensors, str(scratch), metadata={"examples": f"{rows.start}:{rows.stop}"})
             done.add(shard)
@@ -195,12 +224,15 @@ def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, 
 
 
 def size_line(examples: int, tokens: int, top_k: int, hidden_size: int | None, dtype: torch.dtype,
-              num_shards: int = 1) -> str:
-    """The one-line size estimate printed before caching: exact tensor bytes, headers left out."""
+              num_shards: int = 1, layers: list[int] = (), state_size: int | None = None) -> str:
+    """The one-line size estimate printed before caching: exact tensor bytes, headers left out.
+    hidden_size None: no last hidden states; `layers` states of state_size (default hidden_size) each."""
     width = torch.finfo(dtype).bits // 8
-    per_token = top_k * (width + 4) + (hidden_size * width if hidden_size else 0)
+    state_size = state_size or hidden_size
+    per_token = top_k * (width + 4) + ((hidden_size or 0) + len(layers) * (state_size or 0)) * width
     total = tokens * per_token + 8 * (examples + num_shards)
     what = f"top-{top_k} log-probs" + (f" + {hidden_size}-d hidden states" if hidden_size else "")
+    what += f" + states entering layers {list(layers)}" if layers else ""
     return (f"teacher cache: {examples:,} examples, {tokens:,} tokens, {what} in {dtype_name(dtype)} "
             f"= {_human_bytes(total)}")
 
@@ -209,15 +241,17 @@ def shard_file(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
 
 
-def default_shard_size(longest: int, top_k: int, hidden_size: int | None, dtype: torch.dtype) -> int:
-    """Examples per shard: as many of `longest` tokens as fit in SHARD_BYTES, 1..MAX_SHARD_EXAMPLES."""
+def default_shard_size(longest: int, top_k: int, state_width: int | None, dtype: torch.dtype) -> int:
+    """Examples per shard: as many of `longest` tokens as fit in SHARD_BYTES, 1..MAX_SHARD_EXAMPLES.
+    state_width: the state elements stored per token (hidden and inner-layer states), None for none."""
     width = torch.finfo(dtype).bits // 8
-    per_example = longest * (top_k * (width + 4) + (hidden_size * width if hidden_size else 0))
+    per_example = longest * (top_k * (width + 4) + (state_width * width if state_width else 0))
     return max(1, min(MAX_SHARD_EXAMPLES, SHARD_BYTES // per_example))
 
 
-def _signals_tag(hidden: bool, dtype: torch.dtype) -> str:
-    return f"{'hidden' if hidden else 'logprobs'}-{dtype_name(dtype)}"
+def _signals_tag(hidden: bool, layers: list[int], dtype: torch.dtype) -> str:
+    states = "-layers-" + "_".join(map(str, layers)) if layers else ""
+    return f"{'hidden' if hidden else 'logprobs'}{states}-{dtype_name(dtype)}"
 
 
 def _find_cache(root: Path, name: str, settings: dict) -> tuple[Path | None, bool]:
@@ -237,10 +271,11 @@ def _find_cache(root: Path, name: str, settings: dict) -> tuple[Path | None, boo
             exact = path
         if manifest["complete"] and all(have.get(k) == settings[k] for k in same_data) and \
                 have.get("dtype") == settings["dtype"] and have.get("top_k", 0) >= settings["top_k"] and \
-                (have.get("hidden") or not settings["hidden"]) and not _damaged_shards(path, manifest):
-            covering.append((have["top_k"], bool(have["hidden"]), str(path)))
+                (have.get("hidden") or not settings["hidden"]) and \
+                set(settings.get("layers", [])) <= set(have.get("layers", [])) and not _damaged_shards(path, manifest):
+            covering.append((have["top_k"], bool(have["hidden"]), len(have.get("layers", [])), str(path)))
     if covering:
-        return Path(min(covering)[2]), True
+        return Path(min(covering)[-1]), True
     return exact, False
 
 
@@ -248,19 +283,21 @@ def _damaged_shards(out_dir: Path, manifest: dict) -> dict[int, str]:
     """The shards the manifest calls done whose files are not whole (headers checked), with what is wrong."""
     settings = manifest["settings"]
     hidden_size = settings["hidden_size"] if settings["hidden"] else None
+    states_size = len(settings.get("layers", [])) * settings["hidden_size"] or None
     damaged = {}
     for shard in manifest["shards_done"]:
         examples = len(shard_range(shard, settings["shard_size"], settings["num_examples"]))
         try:
-            check_shard(out_dir / shard_file(shard), examples, settings["top_k"], hidden_size)
+            check_shard(out_dir / shard_file(shard), examples, settings["top_k"], hidden_size, states_size)
         except InvalidInputError as exc:
             damaged[shard] = str(exc)
     return damaged
 
 
-def check_shard(path: Path, examples: int, top_k: int, hidden_size: int | None) -> None:
+def check_shard(path: Path, examples: int, top_k: int, hidden_size: int | None, states_size: int | None = None) -> None:
     """A one-line InvalidInputError unless `path` is a readable shard of `examples` examples with top_k
-    log-probs and ids (and hidden states of hidden_size, if not None) for the same tokens."""
+    log-probs and ids (and hidden states of hidden_size, inner-layer states of states_size, if not None)
+    for the same tokens."""
     if not path.is_file():
         raise InvalidInputError(f"teacher cache shard {path} is missing")
     try:
@@ -271,6 +308,8 @@ def check_shard(path: Path, examples: int, top_k: int, hidden_size: int | None) 
     expected = {"topk_logprobs": top_k, "topk_ids": top_k}
     if hidden_size is not None:
         expected["hidden"] = hidden_size
+    if states_size is not None:
+        expected["states"] = states_size
     tokens = shapes.get("topk_logprobs", [None])[0]
     if shapes.get("offsets") != [examples + 1] or any(shapes.get(n) != [tokens, w] for n, w in expected.items()):
         raise InvalidInputError(f"teacher cache shard {path} is unreadable or corrupt (tensors missing or of "
@@ -292,17 +331,20 @@ def sparse_teacher_probs(
 class TeacherCache:
     """Read access to a finished cache: `cache[i]` holds example i's signals.
 
-    Items: topk_logprobs [L, k] float32, topk_ids [L, k] int64 and, when cached, hidden [L, H]
-    float32, L = len(input_ids[i]); `field` and `padded` give the same in the stored dtypes. Shards are
+    Items: topk_logprobs [L, k] float32, topk_ids [L, k] int64 and, when cached, hidden [L, H] and
+    states [L, len(layers) * H] float32, L = len(input_ids[i]); `field` and `padded` give the same in the stored dtypes. Shards are
     memory-mapped on demand (one open at a time, so resident memory is bounded by a shard) and only the
     example's rows are read. Opening checks the manifest and every shard's header, so a missing or
     corrupt file is reported at once, by name.
 
     top_k, hidden: a view of fewer signals than the cache holds (its first top_k log-probs; no hidden
-    states), for a recipe that reuses a larger cache (`teacher_signals`). None: all it holds.
+    states), for a recipe that reuses a larger cache (`teacher_signals`). None: all it holds. layers: the
+    inner-layer states a reader needs, checked to be there; `layers` always lists all the cache holds, in
+    the order of the `states` columns (`state_columns` finds a layer's).
     """
 
-    def __init__(self, out_dir: Path, *, top_k: int | None = None, hidden: bool | None = None):
+    def __init__(self, out_dir: Path, *, top_k: int | None = None, hidden: bool | None = None,
+                 layers: list[int] | None = None):
         self.dir = Path(out_dir)
         self.manifest = read_manifest(self.dir, KIND)
         settings = self.manifest["settings"]
@@ -315,6 +357,10 @@ class TeacherCache:
             raise InvalidInputError(f"teacher cache {self.dir} holds top-{settings['top_k']} log-probs, not {top_k}")
         if hidden and not settings["hidden"]:
             raise InvalidInputError(f"teacher cache {self.dir} holds no hidden states")
+        self.layers: list[int] = list(settings.get("layers", []))
+        if layers and not set(layers) <= set(self.layers):
+            raise InvalidInputError(f"teacher cache {self.dir} holds the states of layers {self.layers}, not "
+                                    f"{sorted(set(layers) - set(self.layers))}")
         self._stored = settings
         self.top_k: int = top_k or settings["top_k"]
         self.has_hidden: bool = settings["hidden"] if hidden is None else hidden
@@ -333,24 +379,31 @@ class TeacherCache:
         item = {"topk_logprobs": self.field(i, "topk_logprobs").float(), "topk_ids": self.field(i, "topk_ids").long()}
         if self.has_hidden:
             item["hidden"] = self.field(i, "hidden").float()  # (copies: an item never pins the mapped file)
+        if self.layers:
+            item["states"] = self.field(i, "states").float()
         return item
+
+    def state_columns(self, layer: int) -> slice:
+        """The columns of `states` that hold the state entering `layer`."""
+        return _state_columns(self.layers, layer, self.hidden_size)
 
     def field(self, i: int, name: str) -> torch.Tensor:
         """Example i's rows of one signal as stored: topk_logprobs [L, top_k] and hidden [L, H] in the
-        cache's dtype, topk_ids [L, top_k] int32. A copy, which holds no part of the mapped file."""
+        cache's dtype, topk_ids [L, top_k] int32, states [L, len(layers) * H]. A copy, which holds no part
+        of the mapped file."""
         return self._rows(i, name).clone(memory_format=torch.contiguous_format)
 
     def _rows(self, i: int, name: str) -> torch.Tensor:
         # A view of the mapped shard file (safetensors' slices share its pages): to be copied, not kept.
         i = _checked_index(i, self._len)
-        if name not in FIELDS or (name == "hidden" and not self.has_hidden):
+        if name not in FIELDS or (name == "hidden" and not self.has_hidden) or (name == "states" and not self.layers):
             raise KeyError(f"teacher cache {self.dir} has no {name!r} signal here")
         shard, local = divmod(i, self.shard_size)
         handle, offsets = self._shard(shard)
         rows = handle.get_slice(name)
         start, stop = offsets[local], offsets[local + 1]
         try:
-            return rows[start:stop] if name == "hidden" else rows[start:stop, : self.top_k]
+            return rows[start:stop] if name in ("hidden", "states") else rows[start:stop, : self.top_k]
         except SafetensorError as exc:  # the header was whole, the data behind it is not
             raise self._corrupt(self.dir / shard_file(shard), exc) from None
 
@@ -378,7 +431,8 @@ class TeacherCache:
         examples = len(shard_range(shard, self.shard_size, self._len))
         hidden_size = self.hidden_size if self._stored["hidden"] else None
         try:
-            check_shard(self.dir / shard_file(shard), examples, self._stored["top_k"], hidden_size)
+            check_shard(self.dir / shard_file(shard), examples, self._stored["top_k"], hidden_size,
+                        len(self.layers) * self.hidden_size or None)
         except InvalidInputError as exc:
             raise InvalidInputError(f"{exc}; {RERUN}") from None
 
@@ -390,11 +444,12 @@ class ConcatTeacher:
     """Finished caches read as one, in order: item i of the concatenation of the datasets they cache."""
 
     def __init__(self, caches: list[TeacherCache]):
-        settings = {(c.top_k, c.has_hidden, c.hidden_size, c.vocab_size) for c in caches}
+        settings = {(c.top_k, c.has_hidden, c.hidden_size, c.vocab_size, tuple(c.layers)) for c in caches}
         if len(settings) != 1:
             raise InvalidInputError(f"teacher caches with different settings cannot be read as one: {settings}")
         self.caches = caches
-        self.top_k, self.has_hidden, self.hidden_size, self.vocab_size = settings.pop()
+        self.top_k, self.has_hidden, self.hidden_size, self.vocab_size, layers = settings.pop()
+        self.layers = list(layers)
         self._starts = np.cumsum([0] + [len(c) for c in caches]).tolist()
 
     def __len__(self) -> int:
@@ -415,6 +470,9 @@ class ConcatTeacher:
     def padded(self, indices: list[int], name: str, length: int | None = None) -> torch.Tensor:
         return _padded(self, indices, name, length)
 
+    def state_columns(self, layer: int) -> slice:
+        return _state_columns(self.layers, layer, self.hidden_size)
+
     def _locate(self, i: int) -> tuple[int, int]:
         i = _checked_index(i, len(self))
         part = bisect.bisect_right(self._starts, i) - 1
@@ -428,6 +486,13 @@ def _checked_index(i: int, length: int) -> int:
     if not 0 <= i < length:
         raise IndexError(f"teacher cache index {i} out of range for {length} examples")
     return i
+
+
+def _state_columns(layers: list[int], layer: int, hidden_size: int) -> slice:
+    if layer not in layers:
+        raise KeyError(f"the teacher cache holds no states of layer {layer} (it holds {layers})")
+    k = layers.index(layer)
+    return slice(k * hidden_size, (k + 1) * hidden_size)
 
 
 def _padded(reader, indices: list[int], name: str, length: int | None) -> torch.Tensor:
@@ -445,8 +510,8 @@ def _padded(reader, indices: list[int], name: str, length: int | None) -> torch.
 # --- computing one shard -----------------------------------------------------------------------
 
 
-def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, batch_size: int, dtype: torch.dtype,
-                   pad_id: int, bar) -> dict[str, torch.Tensor]:
+def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, layers: list[int], batch_size: int,
+                   dtype: torch.dtype, pad_id: int, bar) -> dict[str, torch.Tensor]:
     """The shard's tensors, examples in dataset order; batched by length for less padding.
 
     The tensors are allocated once at their final size and filled batch by batch; the log-probs come from
@@ -459,12 +524,15 @@ def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, batch_
                "topk_ids": torch.empty(tokens, top_k, dtype=torch.int32), "offsets": offsets}
     if hidden:
         tensors["hidden"] = torch.empty(tokens, lm_head.weight.shape[1], dtype=dtype)
+    if layers:
+        tensors["states"] = torch.empty(tokens, len(layers) * lm_head.weight.shape[1], dtype=dtype)
     order = sorted(range(len(sequences)), key=lambda j: len(sequences[j]))
     device = next(model.parameters()).device
     for begin in range(0, len(order), batch_size):
         chunk = order[begin: begin + batch_size]
         batch = pad_batch([{"input_ids": sequences[j]} for j in chunk], pad_id)
-        states = teacher_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        states, inner = teacher_states(model, batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                       layers)
         for b, j in enumerate(chunk):
             start, stop = int(offsets[j]), int(offsets[j + 1])
             values, ids = teacher_at_positions(lm_head, states[b, : stop - start], top_k)
@@ -472,6 +540,8 @@ def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, batch_
             tensors["topk_ids"][start:stop] = ids
             if hidden:
                 tensors["hidden"][start:stop] = states[b, : stop - start]
+            if layers:
+                tensors["states"][start:stop] = inner[b, : stop - start]
         bar.update(len(chunk))
     return tensors
 
@@ -481,10 +551,14 @@ def teacher_states(
     model,
     input_ids: torch.Tensor,  # [B, L] int64, right-padded
     attention_mask: torch.Tensor,  # [B, L], 1 on real tokens
-) -> torch.Tensor:  # [B, L, H]
+    layers: list[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, L, H], [B, L, len(layers) * H] or None
     """The target's last hidden states (the final-norm output, `teacher_forward`'s hidden) without its
-    logits: lm_head(states) are the logits, as the online teacher computes them (train/loop.py)."""
-    return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    logits: lm_head(states) are the logits, as the online teacher computes them (train/loop.py); and the
+    states entering `layers` (`hidden_states[i]`), concatenated, when any are asked for."""
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers))
+    inner = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+    return out.last_hidden_state, inner
 
 
 @torch.no_grad()

@@ -354,8 +354,8 @@ class Eagle3Kind(DrafterKind):
     name = "eagle3"
     has_checkpoint = True
     trainable = True
-    # Its objective reads states of several target layers, which the offline teacher cache does not hold.
-    online_teacher_only = True
+    # Its objective reads the last state (the target's logits) and the states entering `teacher_layers`.
+    needs_teacher_hidden = True
 
     def save(self, drafter, out_dir, tokenizer, info):
         from draftsmith.speculative.checkpoint import save_module
@@ -409,6 +409,13 @@ class Eagle3Kind(DrafterKind):
             vocab = kinds.frequent_answer_tokens(train_rows, recipe.drafter.draft_vocab)
             drafter.set_draft_vocab(vocab, from_target=True)
 
+    def teacher_layers(self, recipe, target):
+        cfg = recipe.drafter
+        if cfg.init_from:
+            foreign = formats.recognise(cfg.init_from) is not None
+            return list((formats.load if foreign else self.load)(Path(cfg.init_from), target).target_layers)
+        return list(cfg.target_layers or default_target_layers(target.model.config.num_hidden_layers))
+
     def training_module(self, drafter):
         return Eagle3ForTraining(drafter)
 
@@ -424,7 +431,7 @@ class Eagle3Kind(DrafterKind):
         positions = positions[positions[:, 1] >= steps - 1]
         rows, t = positions[:, 0], positions[:, 1]
         students = module(ids[:, 1:], features[:, :-1], mask[:, 1:], positions, steps)
-        teacher_logits, _ = teacher.at(torch.stack([rows, t + 1], dim=1), batch, hidden=last)
+        teacher_logits = teacher.logits(last[rows, t + 1])  # exact, online or from cached states
         target_top = teacher_logits.argmax(-1)
         # The target restricted to the draft vocabulary; the loss's softmax renormalises it.
         teacher_logits = teacher_logits[:, drafter.draft_to_target]

@@ -65,14 +65,18 @@ class Footprint:
 class Teacher(Protocol):
     """The target's signals for a training objective (implemented by the trainer).
 
-    `hidden(batch)`: [B, L, H] the target's last hidden states (no grad). `at(positions, batch,
-    hidden=None)`: (teacher logits [N, V], None) online or (None, probabilities [N, V]) offline, at
+    `hidden(batch)`: [B, L, H] the target's last hidden states (no grad). `states(batch, layers)`:
+    [B, L, len(layers) * H] the states entering those layers (-1: the last), online or from the cache
+    when the kind names them in `teacher_layers`. `logits(hidden)`: [N, V] the target's lm_head over
+    last hidden states [N, H]. `at(positions, batch, hidden=None)`: (teacher logits [N, V], None) online or (None, probabilities [N, V]) offline, at
     positions [N, 2] (row, t). `loss(student, labels)`: the recipe's divergence between the student's
     logits [N, V'] and the teacher given as `teacher_logits=` / `teacher_probs=`."""
 
     def hidden(self, batch: dict) -> torch.Tensor: ...
 
     def states(self, batch: dict, layers) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def at(self, positions: torch.Tensor, batch: dict, hidden: torch.Tensor | None = None): ...
 
@@ -95,8 +99,6 @@ class DrafterKind:
     from_spec_name: bool = False
     # Can draft the rows prompt lookup finds nothing for (`ngram+DRAFTER`).
     behind_lookup: bool = True
-    # Its objective needs live target passes (states of chosen layers): no offline teacher cache.
-    online_teacher_only: bool = False
 
     # --- from the command line ---------------------------------------------------------------
 
@@ -147,6 +149,11 @@ class DrafterKind:
 
     def prepare(self, drafter: nn.Module, train_rows, recipe: Any) -> None:
         """Anything the drafter needs from the training data before the first step."""
+
+    def teacher_layers(self, recipe: Any, target: "LoadedModel") -> list[int]:
+        """The target layers whose entering states `objective` reads through `Teacher.states` (besides
+        the last state): the offline teacher cache stores them. Asked before the drafter is built."""
+        return []
 
     def training_module(self, drafter: nn.Module) -> nn.Module:
         """The module DDP wraps: its one `forward` computes what `objective` needs."""

@@ -268,9 +268,6 @@ class Recipe(Section):
             raise ValueError("on_policy.fraction > 0 needs drafter.kind: draft-lm (heads do not generate)")
         if self.on_policy.fraction > 0 and self.teacher.mode != "online":
             raise ValueError("on_policy.fraction > 0 needs teacher.mode: online (on-policy answers are scored live)")
-        if self.teacher.mode != "online" and kinds.get(self.drafter.kind).online_teacher_only:
-            raise ValueError(f"drafter.kind: {self.drafter.kind} needs teacher.mode: online (the offline teacher cache "
-                             "holds no states of the layers it reads)")
         if self.lora.enabled and not generating:
             raise ValueError("lora.enabled needs drafter.kind: draft-lm")
         if self.loss.head_weights is not None and len(self.loss.head_weights) != self.drafter.num_heads:

@@ -215,8 +215,10 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     teacher = None
     if recipe.teacher.mode == "offline":
         # Named by the data; any finished cache of it with at least these signals is reused (teacher_signals).
+        kind = kinds.get(recipe.drafter.kind)
+        layers = kind.teacher_layers(recipe, target)
         caches = [teacher_signals(target, part, cache_root, f"teacher-{part_key}-{cfg.max_length}",
-                                  top_k=recipe.teacher.top_k, hidden=kinds.get(recipe.drafter.kind).needs_teacher_hidden,
+                                  top_k=recipe.teacher.top_k, hidden=kind.needs_teacher_hidden, layers=layers,
                                   dtype=DTYPES[recipe.teacher.dtype], progress=progress and is_main)
                   for part_key, part in parts]
         teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)

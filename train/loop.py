@@ -217,12 +217,22 @@ class Teacher:
     @torch.no_grad()
     def states(self, batch, layers) -> torch.Tensor:
         """[B, L, len(layers) * H]: the target's `hidden_states[i]` for i in `layers` (the states entering
-        those layers; -1 is the last, final-norm state), concatenated, from one online pass."""
-        if self.data.teacher is not None:
-            raise InvalidInputError("target states of chosen layers need teacher.mode: online")
+        those layers; -1 is the last, final-norm state), concatenated: from one online pass, or read from the
+        teacher cache (cached with the kind's `teacher_layers`), in the target's dtype."""
+        cache = self.data.teacher
+        if cache is not None:
+            stored = padded_cache_field(batch, self.data, "states") if any(i != -1 for i in layers) else None
+            hidden = padded_cache_field(batch, self.data, "hidden") if -1 in layers else None
+            parts = [hidden if i == -1 else stored[..., cache.state_columns(i)] for i in layers]
+            return torch.cat(parts, dim=-1).to(self.target.model.dtype)
         decoder = self.target.model.get_decoder()
         out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
         return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
+
+    @torch.no_grad()
+    def logits(self, hidden) -> torch.Tensor:
+        """[N, V] the target's logits from its last hidden states [N, H] (its lm_head), no grad."""
+        return self.target.model.get_output_embeddings()(hidden)
 
     def loss(self, student, labels, *, teacher_logits=None, teacher_probs=None) -> torch.Tensor:
         cfg = self.recipe.loss

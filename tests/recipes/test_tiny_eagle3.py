@@ -1,8 +1,15 @@
 """End to end on the tiny EAGLE-3 recipe: train, serve exactly, export to both engines' layouts and
 import back."""
 
+import json
+
+import datasets
 import pytest
-from draftsmith.speculative import formats
+import torch
+
+from draftsmith.data.collate import pad_batch
+from draftsmith.data.teacher import cache_teacher_signals
+from draftsmith.speculative import formats, kinds
 from draftsmith.speculative.checkpoint import read_drafter_info
 from draftsmith.speculative.drafters import build_proposer
 from draftsmith.speculative.errors import InvalidInputError
@@ -10,12 +17,62 @@ from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.options import DecodeOptions
 from draftsmith.train.config import load_recipe
-from draftsmith.train.loop import train
+from draftsmith.train.data_prep import prepare_data
+from draftsmith.train.loop import Teacher, train
+from draftsmith.train.modules import freeze
 
 
-def test_offline_teacher_is_refused_before_any_work():
-    with pytest.raises(InvalidInputError, match="eagle3 needs teacher.mode: online"):
-        load_recipe("tiny-eagle3", ["teacher.mode=offline"])
+def eagle3_recipe(prompts, cache, *extra):
+    return load_recipe("tiny-eagle3", [f"data.prompts=[{prompts}]", "data.heldout=2", "data.max_new_tokens=8",
+                                       f"data.cache_dir={cache}", "target=tiny:0", "drafter.target_layers=[0,1]",
+                                       "drafter.draft_vocab=32", "teacher.top_k=4", *extra])
+
+
+def test_offline_teacher_caches_the_layers_it_reads_and_trains_as_online(tmp_path):
+    """The offline cache stores the states entering the drafter's target layers beside the last ones; the
+    objective reads the same states and the same (restricted) teacher distribution from it as online."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}: {'xy' * (i + 1)}"}) + "\n" for i in range(10)))
+    target = load_model("tiny:0")
+    freeze(target.model)
+    online, offline = (eagle3_recipe(prompts, tmp_path / "data", f"teacher.mode={mode}", "teacher.dtype=float32")
+                       for mode in ("online", "offline"))
+    data = {mode: prepare_data(recipe, target, is_main=True, progress=False)
+            for mode, recipe in (("online", online), ("offline", offline))}
+    cache = data["offline"].teacher
+    assert cache.layers == [0, 1] and cache.has_hidden
+    assert "layers-0_1" in cache.dir.name
+    rows = [dict(data["offline"].train[i], index=i) for i in range(4)]
+    batch = pad_batch(rows, pad_id=0)
+    layers = (0, 1, -1)
+    live, cached = (Teacher(target, data[mode], recipe).states(batch, layers)
+                    for mode, recipe in (("online", online), ("offline", offline)))
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(cached[real], live[real], atol=1e-4, rtol=1e-3)  # (other batches, other padding)
+    assert cached[real][:, :64].abs().sum() > 0 and not torch.equal(cached[..., :64], cached[..., 64:128])
+
+    kind = kinds.get("eagle3")
+    drafter = kind.build(online, target)
+    kind.prepare(drafter, data["online"].train, online)
+    module = kind.training_module(drafter)
+    losses = [kind.objective(module, drafter, batch, Teacher(target, data[mode], recipe), recipe)
+              for mode, recipe in (("online", online), ("offline", offline))]
+    torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-4, rtol=1e-4)
+    assert losses[0][1] == losses[1][1] > 0
+
+    # A recipe that needs fewer signals (the eagle kind: hidden states, no inner layers) reuses this cache.
+    eagle = load_recipe("tiny-eagle", [f"data.prompts=[{prompts}]", "data.heldout=2", "data.max_new_tokens=8",
+                                       f"data.cache_dir={tmp_path / 'data'}", "target=tiny:0", "teacher.top_k=4",
+                                       "teacher.mode=offline", "teacher.dtype=float32"])
+    assert prepare_data(eagle, target, is_main=True, progress=False).teacher.dir == cache.dir
+
+
+def test_cache_layers_are_checked(tmp_path):
+    target = load_model("tiny:0")
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]})
+    for bad in ([2], [0, 0], ["a"]):
+        with pytest.raises(InvalidInputError, match="layers"):
+            cache_teacher_signals(target, dataset, tmp_path / "c", layers=bad, progress=False)
 
 
 def test_shipped_recipes_validate():
