@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from draftsmith.common import add_target_args, resolve_device, resolve_dtype
+from draftsmith.common import add_adaptive_arg, add_target_args, resolve_device, resolve_dtype
 from draftsmith.speculative.drafters import load_drafter
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
@@ -35,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--leaf-min-prob", type=float, default=0.0,
                    help="with --draft-alternatives: verify a leaf only when the drafter's estimate that it is "
                         "taken (its probability times the chain's before it) is at least this")
+    add_adaptive_arg(p, default=True)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     options = DecodeOptions(max_new_tokens=args.max_new_tokens, draft_len=args.draft_len,
                             draft_confidence=args.draft_confidence, draft_alternatives=args.draft_alternatives,
-                            leaf_min_prob=args.leaf_min_prob)
+                            leaf_min_prob=args.leaf_min_prob, adaptive=args.adaptive_draft,
+                            verify_cost=args.verify_cost)
     target = load_model(args.target, device=device, dtype=dtype)
     proposer, _ = load_drafter(args.drafter, target, device=device, dtype=dtype,
                               allow_target_mismatch=args.allow_target_mismatch)

@@ -10,7 +10,7 @@ import argparse
 import signal
 import sys
 
-from draftsmith.common import add_target_args, resolve_device, resolve_dtype
+from draftsmith.common import add_adaptive_arg, add_target_args, resolve_device, resolve_dtype
 from draftsmith.speculative.errors import InvalidInputError
 
 
@@ -35,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--draft-confidence", type=float, default=0.0, help="see `draftsmith generate`")
     p.add_argument("--draft-alternatives", type=int, default=0, help="see `draftsmith generate`")
     p.add_argument("--leaf-min-prob", type=float, default=0.0, help="see `draftsmith generate`")
+    add_adaptive_arg(p, default=True)
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="chat requests without max_tokens generate at most this many (within the context window)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     options = DecodeOptions(draft_len=args.draft_len, draft_confidence=args.draft_confidence,
-                            draft_alternatives=args.draft_alternatives, leaf_min_prob=args.leaf_min_prob)
+                            draft_alternatives=args.draft_alternatives, leaf_min_prob=args.leaf_min_prob,
+                            adaptive=args.adaptive_draft, verify_cost=args.verify_cost)
     target = load_model(args.target, device=device, dtype=dtype)
     proposer, _ = load_drafter(args.drafter, target, device=device, dtype=dtype,
                               allow_target_mismatch=args.allow_target_mismatch)

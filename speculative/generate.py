@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from draftsmith.speculative import kinds
+from draftsmith.speculative.adaptive import adaptive_lengths
 from draftsmith.speculative.errors import InvalidInputError, NumericalError
 from draftsmith.speculative.kernels import RoundNoise, make_verifier
 from draftsmith.speculative.kv import KVState
@@ -262,6 +263,7 @@ class _Run:
         self.hidden_ready: list[bool] = []  # per row: target_hidden holds its state (not a row that just joined)
         self.leaves: Leaves | None = None  # this round's sibling leaves (tree.py)
         self.rounds_run = 0
+        self.adaptive = adaptive_lengths(self.options, decoder) if self.options.draft_len > 0 else None
 
     @property
     def active(self) -> bool:
@@ -313,6 +315,8 @@ class _Run:
         self.requests += requests
         self.history += history
         self.hidden_ready += [False] * len(requests)
+        if self.adaptive is not None:
+            self.adaptive.add_rows(len(requests))
         for i in ids:
             self.outputs[i], self.finish_reasons[i] = [], "length"
 
@@ -351,6 +355,8 @@ class _Run:
         proposer, batch = self.proposer, len(self.rows)
         if proposer is not None and proposer.needs_target_hidden:  # rows that just joined have no state yet
             max_lens = [m if ready else 0 for m, ready in zip(max_lens, self.hidden_ready)]
+        if self.adaptive is not None:  # each row's own length, from its acceptance so far
+            max_lens = self.adaptive.lengths(max_lens)
         if proposer is None or max(max_lens) <= 0 or (proposer.needs_target_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
         ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.options, self.target_hidden,
@@ -397,8 +403,10 @@ class _Run:
     def accept(self, out: VerifyOutput, draft: Draft) -> tuple[list[list[int]], list[bool]]:
         """Append each row's accepted tokens and its recovered/bonus token (up to a stop token or the
         budget); the emitted tokens per row and which rows are finished."""
-        num_accepted = out.num_accepted.tolist()
-        self.stats.record(num_accepted, draft.lens.tolist())
+        num_accepted, drafted = out.num_accepted.tolist(), draft.lens.tolist()
+        self.stats.record(num_accepted, drafted)
+        if self.adaptive is not None:
+            self.adaptive.observe(drafted, num_accepted)
         emitted = [row[: n + 1] for row, n in zip(out.tokens.tolist(), num_accepted)]
         before = self.stats.new_tokens
         finished = [self.emit(b, e) for b, e in enumerate(emitted)]
@@ -460,6 +468,8 @@ class _Run:
         self.requests = [self.requests[b] for b in keep_rows]
         self.history = [self.history[b] for b in keep_rows]
         self.hidden_ready = [self.hidden_ready[b] for b in keep_rows]
+        if self.adaptive is not None:
+            self.adaptive.select(keep_rows)
         self.sampling = self.sampling.select(index)
         self.rng.select(keep_rows)
         if self.target_hidden is not None:

@@ -141,6 +141,11 @@ class DrafterKind:
         """The modules the proposer runs while decoding (for the runtime's few-row linear layers)."""
         return []
 
+    def draft_cost(self, proposer: "Proposer", target: nn.Module) -> float:
+        """What drafting one token costs relative to one decoding step of the target: the weights of the
+        linear layers it multiplies over the target's (adaptive draft length, adaptive.py)."""
+        return linear_params(*self.modules(proposer)) / max(linear_params(target), 1)
+
     # --- training --------------------------------------------------------------------------------
 
     def build(self, recipe: Any, target: "LoadedModel") -> nn.Module:
@@ -183,6 +188,17 @@ class ModelKind(DrafterKind):
 
     def modules(self, proposer):
         return [proposer.model]
+
+
+def linear_params(*modules: nn.Module) -> int:
+    """Weights of the linear layers in `modules`, each tensor once: a decoding step's matmul work per
+    token (embedding lookups cost next to nothing; a tied lm_head is a linear layer and counts)."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, nn.Linear):
+                seen[layer.weight.data_ptr()] = layer.weight.numel()
+    return sum(seen.values())
 
 
 def weight_bytes(module: nn.Module, exclude: nn.Module | None = None) -> int:

@@ -27,6 +27,12 @@ class DecodeOptions:
     """A: runner-up tokens per draft position that greedy rows also verify as sibling leaves (tree.py)."""
     leaf_min_prob: float = 0.0
     """Keep only sibling leaves the drafter gives at least this estimated chance of being taken."""
+    adaptive: bool = False
+    """Adaptive draft length: each row drafts, up to D, as many tokens as its own observed acceptance
+    pays for, and backs off to plain decoding where its drafts are rejected (adaptive.py)."""
+    verify_cost: float | None = None
+    """(adaptive) What one more verified position costs the target's pass, relative to a one-token step;
+    None = the device type's (adaptive.VERIFY_COST)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -39,6 +45,8 @@ class DecodeOptions:
             raise InvalidInputError(f"draft alternatives must be >= 0, got {self.draft_alternatives}")
         if not 0.0 <= self.leaf_min_prob < 1.0:
             raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {self.leaf_min_prob}")
+        if self.verify_cost is not None and not 0.0 <= self.verify_cost:
+            raise InvalidInputError(f"verify cost must be >= 0, got {self.verify_cost}")
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,7 @@ class ChainProposer(Proposer):
         # Emitted tokens beyond the kept draft slots (the recovered/bonus token, and the last draft
         # token when all were accepted) are fed at the start of the next round.
         self.pending = [e[k:] for k, e in zip(kept, emitted)]
+        self._fed_drafts = -1  # until the next propose: a round the runtime drafts nothing in feeds nothing
 
     def select_rows(self, rows):
         self.kv.select_rows(rows)

@@ -1,0 +1,115 @@
+"""Adaptive draft length: each row drafts as many tokens as its own acceptance so far pays for.
+
+A round that drafts d tokens for a row costs, relative to a plain decoding step of the target,
+
+    C(d) = 1 + d * c        c = draft cost + verify cost per drafted token
+
+(the drafter's matmuls per drafted token over the target's, `DrafterKind.draft_cost`; and what one more
+position costs the target's verification pass, `verify_cost`, near 0 on a GPU at small batch, larger on
+a CPU, where a pass's cost grows with its tokens). With a per-token acceptance probability a, it emits
+
+    E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)
+
+tokens, so the row drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain decoding, is worth 1). `a` is
+the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over its
+recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of `prior`
+worth `prior_weight` tokens. Each row learns from its own rounds only, so a row's lengths, like its
+tokens, do not depend on what else runs in the batch; they depend on nothing but its acceptance (never
+on timings), so a seeded sampled request repeats exactly. Verification stays exact whatever the lengths.
+
+Back-off: a row whose estimate says no draft pays decodes plainly, and still tries one draft token after
+`wait` rounds to see whether its text has become predictable (a code block after prose, a quoted
+passage); each probe that fails doubles the wait (up to MAX_WAIT), one that lifts the estimate back
+resets it. Where drafts are rejected the overhead is then one draft token every MAX_WAIT rounds.
+"""
+
+from __future__ import annotations
+
+from draftsmith.speculative import kinds
+
+MAX_WAIT = 32
+# What one more verified position costs the target's pass, relative to a one-token decoding step, per
+# device type (measured on SmolLM2-135M at batch 1: benchmarks/verify_cost.py). Unknown devices: cpu's.
+VERIFY_COST = {"cpu": 0.12, "cuda": 0.02}
+
+
+def expected_tokens(acceptance: float, draft_len: int) -> float:
+    """E(d): tokens a round emits when each draft token is accepted with probability `acceptance`."""
+    return sum(acceptance ** i for i in range(draft_len + 1))
+
+
+def best_draft_len(acceptance: float, cost: float, max_len: int) -> int:
+    """d* in 0..max_len maximising E(d) / (1 + d * cost); the shortest on ties."""
+    best, best_rate = 0, 1.0
+    for d in range(1, max_len + 1):
+        rate = expected_tokens(acceptance, d) / (1.0 + d * cost)
+        if rate > best_rate + 1e-12:
+            best, best_rate = d, rate
+    return best
+
+
+class AdaptiveDraftLength:
+    """Per-row acceptance estimates and draft lengths for a running batch (rows join and leave)."""
+
+    def __init__(self, cost: float, *, decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0):
+        if cost < 0:
+            raise ValueError(f"the draft cost per token must be >= 0, got {cost}")
+        self.cost, self.decay, self.prior, self.prior_weight = cost, decay, prior, prior_weight
+        self.accepted: list[float] = []  # per row: decayed accepted draft tokens
+        self.offered: list[float] = []  # per row: decayed offered ones (up to the first rejected)
+        self.wait: list[int] = []  # per row: plain rounds left before the next probe
+        self.backoff: list[int] = []  # per row: the wait after the next failed probe
+
+    def add_rows(self, n: int) -> None:
+        self.accepted += [0.0] * n
+        self.offered += [0.0] * n
+        self.wait += [0] * n
+        self.backoff += [1] * n
+
+    def select(self, rows: list[int]) -> None:
+        """Keep these rows, in this order (the others left the batch)."""
+        for name in ("accepted", "offered", "wait", "backoff"):
+            values = getattr(self, name)
+            setattr(self, name, [values[b] for b in rows])
+
+    def acceptance(self, b: int) -> float:
+        return (self.accepted[b] + self.prior * self.prior_weight) / (self.offered[b] + self.prior_weight)
+
+    def lengths(self, max_lens: list[int]) -> list[int]:
+        """This round's draft length per row, within `max_lens` (each row's D and budget)."""
+        out = []
+        for b, cap in enumerate(max_lens):
+            if cap <= 0:
+                out.append(0)
+                continue
+            d = best_draft_len(self.acceptance(b), self.cost, cap)
+            if d == 0:
+                if self.wait[b] > 0:
+                    self.wait[b] -= 1
+                else:
+                    d = 1  # a probe
+            out.append(d)
+        return out
+
+    def observe(self, drafted: list[int], accepted: list[int]) -> None:
+        """A round's outcome: per row the draft tokens offered and how many were accepted."""
+        for b, (d, a) in enumerate(zip(drafted, accepted)):
+            if d <= 0:
+                continue
+            self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
+            self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
+            if best_draft_len(self.acceptance(b), self.cost, 1) == 0:  # drafting does not pay (now)
+                self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
+            else:
+                self.wait[b], self.backoff[b] = 0, 1
+
+
+def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
+    """The policy for a decoder's run under `options` (a DecodeOptions), or None when it is off."""
+    if not options.adaptive or decoder.proposer is None:
+        return None
+    proposer, target = decoder.proposer, decoder.target
+    verify = options.verify_cost
+    if verify is None:
+        verify = VERIFY_COST.get(decoder.device.type, VERIFY_COST["cpu"])
+    return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify)

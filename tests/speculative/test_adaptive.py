@@ -1,0 +1,103 @@
+"""Adaptive draft length: each row drafts what its own acceptance pays for, backs off where drafts are
+rejected, and no output changes (greedy equals the target's decoding; seeded rows repeat in any batch:
+test_engine.py runs its exactness tests with the policy on too)."""
+
+import pytest
+
+from draftsmith.speculative import kinds
+from draftsmith.speculative.adaptive import MAX_WAIT, AdaptiveDraftLength, best_draft_len, expected_tokens
+from draftsmith.speculative.draft_lm import DraftModelProposer
+from draftsmith.speculative.eagle3 import Eagle3Drafter, Eagle3Proposer
+from draftsmith.speculative.early_exit import EarlyExitProposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.lookup import LookupFirstProposer
+from draftsmith.speculative.ngram import NGramProposer
+from draftsmith.speculative.options import DecodeOptions
+
+PROMPTS = [[1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [1, 65, 66, 67, 65, 66, 67, 65, 66, 67]]
+
+
+def test_expected_tokens_and_the_best_length():
+    assert expected_tokens(0.5, 0) == 1 and expected_tokens(0.5, 2) == 1.75
+    assert best_draft_len(0.0, 0.1, 4) == 0  # nothing is ever accepted: plain decoding
+    assert best_draft_len(0.05, 0.1, 4) == 0  # (1 + a) / (1 + c) < 1 while a < c
+    assert best_draft_len(0.95, 0.0, 6) == 6  # free drafts: as many as allowed
+    assert best_draft_len(0.6, 0.25, 8) == 2  # (1.96 / 1.5 beats 1.6 / 1.25 and 2.176 / 1.75)
+    lengths = [best_draft_len(a / 20, 0.1, 8) for a in range(20)]
+    assert lengths == sorted(lengths) and lengths[0] == 0 and lengths[-1] == 8  # more acceptance, longer
+
+
+def run_policy(policy, accept, rounds, max_len=4):
+    """Drive one row: `accept(d)` says how many of d draft tokens are accepted. The lengths drafted."""
+    drafted = []
+    for _ in range(rounds):
+        d = policy.lengths([max_len])[0]
+        drafted.append(d)
+        policy.observe([d], [accept(d)])
+    return drafted
+
+
+def test_rejected_rows_back_off_exponentially_and_accepted_ones_draft_at_full_length():
+    policy = AdaptiveDraftLength(0.15)
+    policy.add_rows(1)
+    drafted = run_policy(policy, lambda d: 0, 400)
+    probes = [i for i, d in enumerate(drafted) if d > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == MAX_WAIT + 1  # waits double up to the cap
+    assert sum(drafted) < 30  # after the first rounds, about one draft token every MAX_WAIT rounds
+
+    good = AdaptiveDraftLength(0.05)
+    good.add_rows(1)
+    assert run_policy(good, lambda d: d, 20)[1:] == [4] * 19  # every draft accepted: D every round
+
+
+def test_a_row_that_becomes_predictable_drafts_again():
+    policy = AdaptiveDraftLength(0.1)
+    policy.add_rows(1)
+    run_policy(policy, lambda d: 0, 100)  # prose the drafter cannot guess
+    after = run_policy(policy, lambda d: d, 2 * MAX_WAIT + 10)  # then text it guesses every time
+    assert after[-5:] == [4] * 5
+
+
+def test_rows_are_independent_and_follow_joins_and_leaves():
+    policy = AdaptiveDraftLength(0.1)
+    policy.add_rows(2)
+    for _ in range(10):
+        d = policy.lengths([4, 4])
+        policy.observe(d, [0, d[1]])  # row 0 always rejected, row 1 always accepted
+    assert policy.lengths([4, 4])[1] == 4 and policy.acceptance(0) < 0.2 < 0.9 < policy.acceptance(1)
+    policy.add_rows(1)  # a new row starts from the prior
+    policy.select([2, 1])  # row 0 leaves
+    assert policy.acceptance(0) == pytest.approx(0.6) and policy.acceptance(1) > 0.9
+    assert policy.lengths([0, 0]) == [0, 0]  # no room: nothing drafted, no wait spent
+
+
+def test_draft_cost_is_the_drafters_matmuls_over_the_targets(target, random_drafter):
+    cost = lambda p: kinds.of(p).draft_cost(p, target)  # noqa: E731
+    assert cost(NGramProposer()) == 0.0
+    assert cost(DraftModelProposer(target)) == pytest.approx(1.0)
+    assert 0.0 < cost(EarlyExitProposer(target, 1)) < cost(EarlyExitProposer(target, 2)) < 1.0
+    assert 0.0 < cost(DraftModelProposer(random_drafter)) < 1.0  # one layer against the target's three
+    lookup = LookupFirstProposer(NGramProposer(3, 2), DraftModelProposer(random_drafter))
+    assert cost(lookup) == cost(DraftModelProposer(random_drafter))
+
+
+@pytest.mark.parametrize("kind", ["random", "ngram", "lookup-first", "eagle3"])
+def test_greedy_output_is_the_targets_whatever_the_lengths(kind, target, random_drafter, hf_greedy):
+    proposer = {"random": lambda: DraftModelProposer(random_drafter), "ngram": lambda: NGramProposer(3, 1),
+                "lookup-first": lambda: LookupFirstProposer(NGramProposer(3, 2), DraftModelProposer(random_drafter)),
+                "eagle3": lambda: Eagle3Proposer(Eagle3Drafter(target.config, [0, 1, 2]).attach_target(target,
+                                                                                                      init=True)),
+                }[kind]()
+    decoder = SpeculativeDecoder(target, proposer)
+    result = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=40, draft_len=4, adaptive=True))
+    assert result.tokens == [hf_greedy(target, p, 40) for p in PROMPTS]
+    fixed = decoder.generate(PROMPTS, options=DecodeOptions(max_new_tokens=40, draft_len=4))
+    assert result.stats.mean_draft_len < fixed.stats.mean_draft_len  # rejected drafts were cut back
+
+
+def test_options_are_checked():
+    from draftsmith.speculative.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="verify cost"):
+        DecodeOptions(adaptive=True, verify_cost=-0.1)
