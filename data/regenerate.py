@@ -180,8 +180,9 @@ def _generate_shards(decoder, tokenizer, conversations, shards: list[int], setti
     either. Outputs do not depend on this schedule: a greedy row is the target's greedy decoding of it
     alone, a sampled row draws from its own seed (`row_seed`).
     """
+    # Rows join in groups of a quarter batch: each join copies the running cache (engine.py, min_join).
     engine = Engine(decoder, DecodeOptions(max_new_tokens=settings["max_new_tokens"], draft_len=draft_len),
-                    max_batch=batch_size)
+                    max_batch=batch_size, min_join=max(1, batch_size // 4))
     render = render_prompt if role == "assistant" else render_user_turn
     pending = deque(shards)
     running: dict[int, _ShardRun] = {}

@@ -57,16 +57,21 @@ class Engine:
     """A running batch of requests over one `SpeculativeDecoder` (see the module docstring)."""
 
     def __init__(self, decoder: SpeculativeDecoder, options: DecodeOptions = DecodeOptions(), *,
-                 max_batch: int | None = None, kv_budget: int | None = None):
+                 max_batch: int | None = None, kv_budget: int | None = None, min_join: int = 1):
         """`options`: how the batch drafts (D = `draft_len`, the most any request drafts; its
         `max_new_tokens` is unused, each request brings its own). `max_batch`: most running rows.
-        `kv_budget`: most cache slots (tokens) reserved by running requests. None = no limit."""
+        `kv_budget`: most cache slots (tokens) reserved by running requests. None = no limit.
+        `min_join`: while rows run, waiting requests join only once at least this many of them can (or
+        all that wait): each join copies the running cache, so a throughput job (regeneration) joins
+        rows in groups; a server joins each request at once (1)."""
         if max_batch is not None and max_batch < 1:
             raise InvalidInputError(f"max_batch must be >= 1, got {max_batch}")
+        if min_join < 1:
+            raise InvalidInputError(f"min_join must be >= 1, got {min_join}")
         if kv_budget is not None and kv_budget < 1:
             raise InvalidInputError(f"the KV budget must be >= 1 token, got {kv_budget}")
         self.decoder, self.options = decoder, options
-        self.max_batch, self.kv_budget = max_batch, kv_budget
+        self.max_batch, self.kv_budget, self.min_join = max_batch, kv_budget, min_join
         self.run = _Run(decoder, options, self._collect)
         self.waiting: deque[tuple[int, Request]] = deque()
         self.reserved: dict[int, int] = {}  # running request id -> the cache slots it holds in reserve
@@ -152,6 +157,11 @@ class Engine:
             self.waiting.popleft()
             joining.append((rid, request))
             self.reserved[rid] = self.need(request)
+        if joining and self.run.rows and len(joining) < self.min_join and self.waiting:
+            for rid, request in reversed(joining):  # too few to be worth a join: wait for more room
+                self.waiting.appendleft((rid, request))
+                del self.reserved[rid]
+            return
         if joining:
             self.run.join([rid for rid, _ in joining], [request for _, request in joining])
 

@@ -253,3 +253,23 @@ def test_per_request_stop_ids_and_ignore_eos(target, hf_greedy):
     cut = reference.index(reference[2]) + 1  # the decoder's stop id, wherever it first appears
     assert tokens == [reference[:cut], reference, reference[: reference.index(reference[5]) + 1]]
     assert reasons == ["stop", "length", "stop"]
+
+
+def test_min_join_admits_waiting_requests_in_groups_and_stays_exact(target, random_drafter, hf_greedy, monkeypatch):
+    decoder = SpeculativeDecoder(target, DraftModelProposer(random_drafter))
+    joins = []
+    real_join = type(Engine(decoder).run).join
+    monkeypatch.setattr(type(Engine(decoder).run), "join", lambda self, ids, requests: (
+        joins.append((len(self.rows), len(ids))), real_join(self, ids, requests))[1])
+    lengths = [3, 5, 7, 9, 11, 4, 6, 8]
+    engine = Engine(decoder, DecodeOptions(draft_len=2), max_batch=4, min_join=2)
+    ids = [engine.add(Request(PROMPTS[i % len(PROMPTS)], SamplingParams(), n)) for i, n in enumerate(lengths)]
+    tokens = {i: [] for i in ids}
+    while engine.busy:
+        for e in engine.step():
+            tokens[e.request_id] += e.tokens
+    assert [tokens[i] for i in ids] == [hf_greedy(target, PROMPTS[i % len(PROMPTS)], n) for i, n in enumerate(lengths)]
+    assert joins[0] == (0, 4)  # an empty batch takes all that fit
+    assert all(n >= 2 for running, n in joins[1:])  # later joins: never one row alone while others wait
+    with pytest.raises(InvalidInputError, match="min_join"):
+        Engine(decoder, min_join=0)

@@ -1,0 +1,140 @@
+"""Never slower than plain decoding? Speed per prompt category, plain vs fixed D vs adaptive draft length.
+
+    python benchmarks/by_category.py --drafter DIR|early-exit:N|ngram|ngram+DIR
+        [--prompts-file builtin:vicuna_bench,builtin:unlike_training] [--per-category 4]
+        [--draft-len 4] [--max-new-tokens 128] [--reps 2] [--verify-cost X] [--json out.json]
+
+Batch 1, greedy, the embedded SmolLM2 by default. For every category of the prompt sources (vicuna_bench's
+writing, coding, math, ...; unlike_training's translation, summarization of a long passage and questions
+over a long context, the kind of prompts a new user tries first) `--per-category` prompts, each decoded by:
+
+- `plain`: draftsmith's runtime without a drafter (the baseline);
+- `fixed D=k`: the drafter drafting k tokens every round;
+- `adaptive D=k`: the drafter under the adaptive draft length (speculative/adaptive.py), the default of
+  `draftsmith generate` and `draftsmith serve`.
+
+Within a repetition the systems take turns prompt by prompt (the order rotating), so that a shared
+machine's load drifts over all of them alike; a category's tokens/s is its tokens over its seconds, the
+median over repetitions. Every output is checked token for token against plain greedy decoding. The table
+gives per category tokens/s, AL (tokens per target pass), the mean draft length and the speedup over plain;
+the last line names the categories where a system is slower than plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.prompts import load_conversations
+from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.generate import SpeculativeDecoder
+from draftsmith.speculative.loading import load_model
+from draftsmith.speculative.options import DecodeOptions
+from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
+
+
+def prompts_by_category(sources: list[str], per_category: int) -> dict[str, list[list[dict]]]:
+    """Up to `per_category` prompts (their messages up to the first user turn) of each category."""
+    out: dict[str, list[list[dict]]] = defaultdict(list)
+    for source in sources:
+        for row in load_conversations(source):
+            category = row.get("category") or "uncategorized"
+            if len(out[category]) < per_category:
+                out[category].append(row["messages"][:1])
+    return dict(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--drafter", required=True)
+    parser.add_argument("--prompts-file", default="builtin:vicuna_bench,builtin:unlike_training",
+                        help="comma list of prompt sources (files, builtin:NAME, hf:NAME) with a category column")
+    parser.add_argument("--per-category", type=int, default=4)
+    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--verify-cost", type=float, default=None, help="the adaptive policy's (default: the device's)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    target = load_model(args.target)
+    stops = stop_token_ids(target.model, target.tokenizer)
+    decoder = SpeculativeDecoder(target.model, build_proposer(args.drafter, target), stop_token_ids=stops)
+    plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
+    categories = prompts_by_category(args.prompts_file.split(","), args.per_category)
+    d, max_new = args.draft_len, args.max_new_tokens
+    systems = {
+        "plain": (plain, DecodeOptions(max_new_tokens=max_new, draft_len=0)),
+        f"fixed D={d}": (decoder, DecodeOptions(max_new_tokens=max_new, draft_len=d)),
+        f"adaptive D={d}": (decoder, DecodeOptions(max_new_tokens=max_new, draft_len=d, adaptive=True,
+                                                    verify_cost=args.verify_cost)),
+    }
+    names = list(systems)
+    # per (rep, system, category): tokens, seconds, rounds, drafted tokens
+    totals = defaultdict(lambda: [0, 0.0, 0, 0])
+    reference: dict[tuple[str, int], list[int]] = {}
+    mismatches = defaultdict(int)
+    with torch.inference_mode():
+        for rep in range(args.reps):
+            turn = 0
+            for category, prompts in categories.items():
+                for i, messages in enumerate(prompts):
+                    ids = encode_prompt(target.tokenizer, messages, chat=True)
+                    order = names[turn % len(names):] + names[: turn % len(names)]
+                    turn += 1
+                    for name in order:
+                        dec, options = systems[name]
+                        t0 = time.perf_counter()
+                        result = dec.generate([ids], options=options)
+                        elapsed = time.perf_counter() - t0
+                        tokens = result.tokens[0]
+                        if name == "plain":
+                            reference.setdefault((category, i), tokens)
+                        t = totals[rep, name, category]
+                        t[0] += len(tokens)
+                        t[1] += elapsed
+                        t[2] += result.stats.rounds
+                        t[3] += sum(result.stats.offered)
+                        if name != "plain" and reference.get((category, i)) not in (None, tokens):
+                            mismatches[name] += 1
+            print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+    # A fixed/adaptive output decoded before plain's in the first turn is checked here.
+    rows = []
+    for category in categories:
+        base = statistics.median(totals[r, "plain", category][0] / totals[r, "plain", category][1]
+                                 for r in range(args.reps))
+        for name in names:
+            runs = [totals[r, name, category] for r in range(args.reps)]
+            tps = statistics.median(t[0] / t[1] for t in runs)
+            rows.append({"category": category, "system": name, "prompts": len(categories[category]),
+                         "tokens_per_s": tps, "speedup_vs_plain": tps / base,
+                         "acceptance_length": runs[0][0] / max(runs[0][2], 1),
+                         "mean_draft_len": runs[0][3] / max(runs[0][2], 1)})
+    print(f"\ntarget {target.name}, drafter {args.drafter}, batch 1, greedy, {max_new} new tokens, "
+          f"{args.per_category} prompts per category, median of {args.reps}, {torch.get_num_threads()} threads")
+    print(f"{'category':18s} {'system':14s} {'tok/s':>7s} {'AL':>5s} {'drafted':>7s} {'vs plain':>8s}")
+    for r in rows:
+        print(f"{r['category']:18s} {r['system']:14s} {r['tokens_per_s']:7.2f} {r['acceptance_length']:5.2f} "
+              f"{r['mean_draft_len']:7.2f} {r['speedup_vs_plain']:7.2f}x")
+    for name in names[1:]:
+        mine = [r for r in rows if r["system"] == name]
+        slower = [r["category"] for r in mine if r["speedup_vs_plain"] < 1.0]
+        overall = statistics.geometric_mean(r["speedup_vs_plain"] for r in mine)
+        print(f"{name}: geometric mean {overall:.2f}x plain; slower than plain in: {', '.join(slower) or 'none'}; "
+              f"outputs differing from plain greedy: {mismatches[name]}")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows,
+                                         "mismatches": dict(mismatches)}, indent=2))
+    return 0 if not mismatches else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
