@@ -5,7 +5,8 @@
 
 A verification pass feeds the last token and D draft tokens: D + 1 positions over a cache of `--context`
 tokens. For n = 1 .. `--max-positions` it times that pass through the runtime's own cache (KVState: the
-n slots are appended, then rolled back, as a round with every draft rejected does), the n's interleaved
+n slots are appended, then rolled back, as a round with every draft rejected does; in the runtime's
+context for few-row linear layers), the n's interleaved
 and repeated, and reports the median seconds per pass relative to n = 1 (a plain decoding step), and the
 least-squares slope over n: the cost of one more position, which is the `verify_cost` the adaptive
 policy adds to the drafter's own cost per drafted token (speculative/adaptive.py, VERIFY_COST).
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.loading import load_model
 
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     target = load_model(args.target, device=device)
     positions = list(range(1, args.max_positions + 1))
     rows = []
-    with torch.inference_mode():
+    # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
+    with torch.inference_mode(), SpeculativeDecoder(target.model, None).fast_linears():
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             seconds = time_passes(target.model, batch, args.context, positions, args.reps, device)
             base = seconds[1]

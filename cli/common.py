@@ -45,4 +45,4 @@ def add_adaptive_arg(p: argparse.ArgumentParser, default: bool) -> None:
                         + (" (on by default)" if default else ""))
     p.add_argument("--verify-cost", type=float, default=None,
                    help="with --adaptive-draft: what one more verified position costs the target's pass relative "
-                        "to a one-token step (default: 0.12 on CPU, 0.02 on CUDA)")
+                        "to a one-token step (default: 0.1 on CPU, 0.02 on CUDA)")
