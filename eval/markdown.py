@@ -105,7 +105,11 @@ def _memory(r: dict) -> list[str]:
         out.append(f"| {row['batch_size']} | {row['context_len']} | {_mib(row['target_weights'])} | "
                    f"{_mib(row['drafter_weights'])} | {_mib(row['target_kv'])} | {_mib(row['drafter_kv'])} | "
                    f"{_mib(row['total'])} | {_mib(peaks.get(row['batch_size']))} |")
-    return out + ["", f"Measured: {m['measured']['kind']}; drafter weights: {m['ledger'][0]['drafter_weights_note']}.",
+    first = m["ledger"][0]
+    per_request = (f" KV per active request (its {first['context_len']} reserved slots, as the serving engine "
+                   f"counts them): target {_mib(first['target_kv_per_request'])}, drafter "
+                   f"{_mib(first['drafter_kv_per_request'])}." if "target_kv_per_request" in first else "")
+    return out + ["", f"Measured: {m['measured']['kind']}; drafter weights: {first['drafter_weights_note']}.{per_request}",
                   ""]
 
 

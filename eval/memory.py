@@ -1,7 +1,9 @@
 """Memory: a ledger computed from the configs, beside the measured peak.
 
 KV cache bytes = 2 (keys and values) * layers * kv_heads * head_dim * context * batch * bytes per element,
-at context = the longest prompt + max_new_tokens + D_max (the verification slots of the last round).
+at context = the longest prompt + max_new_tokens + D_max (the verification slots of the last round): the
+slots the serving engine reserves for one running request (`Engine.need`, priced by `Engine.ledger()` with
+the same per-token figures), so each row also gives the target's and the drafter's KV per active request.
 Weights are counted once per tensor (tied embeddings once); an early-exit drafter shares the target's
 weights, so it adds none; n-gram lookup holds neither weights nor a cache.
 
@@ -27,9 +29,10 @@ def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int,
     target_weights = weight_bytes(target)
     drafter_weights, drafter_kv_per_token, sharing = _drafter_footprint(target, proposer)
     rows = []
+    target_per_request = kv_bytes_per_token(target.config, element_size=element) * context_len
+    drafter_per_request = drafter_kv_per_token * context_len
     for batch in batch_sizes:
-        target_kv = kv_bytes_per_token(target.config, element_size=element) * context_len * batch
-        drafter_kv = drafter_kv_per_token * context_len * batch
+        target_kv, drafter_kv = target_per_request * batch, drafter_per_request * batch
         rows.append({
             "batch_size": batch,
             "context_len": context_len,
@@ -38,6 +41,8 @@ def ledger(target: torch.nn.Module, proposer: Proposer | None, context_len: int,
             "drafter_weights_note": sharing,
             "target_kv": target_kv,
             "drafter_kv": drafter_kv,
+            "target_kv_per_request": target_per_request,
+            "drafter_kv_per_request": drafter_per_request,
             "total": target_weights + drafter_weights + target_kv + drafter_kv,
         })
     return rows

@@ -38,3 +38,16 @@ def test_quickstart_refuses_a_device_this_machine_lacks(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error:") and "CUDA is not available" in err
     assert not (tmp_path / "qs").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_trains_another_kind_beside_the_default_on_the_same_data(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert main(["quickstart", "--tiny", "--kind", "eagle3", "--out", str(out), "--no-progress", "--device", "cpu"]) == 0
+    assert "eagle3, 1 layer" in capsys.readouterr().err
+    config = json.loads((out / "train-eagle3" / "drafter" / "config.json").read_text())
+    assert "eagle3" in json.dumps(config) and not (out / "train").exists()
+    summary = (out / "quickstart.md").read_text()
+    assert "eagle3 (trained)" in summary
+    report = json.loads((out / "eval" / "eagle3" / "report.json").read_text())
+    assert report["exactness"]["passed"]

@@ -70,6 +70,7 @@ def test_report_schema_and_files(base_run):
     ledger = report["memory"]["ledger"]
     assert [r["batch_size"] for r in ledger] == [1, 2] and ledger[1]["target_kv"] == 2 * ledger[0]["target_kv"]
     assert ledger[0]["target_kv"] == 2 * 3 * 2 * 16 * ledger[0]["context_len"] * 4  # 2 * layers * kv_heads * head_dim
+    assert all(r["target_kv"] == r["batch_size"] * r["target_kv_per_request"] for r in ledger)
     assert report["memory"]["measured"]["per_batch_size"][0]["peak_bytes"] > 0
     for advice in report["advice"]:
         assert advice["recommended_draft_len"] in range(0, 4)
