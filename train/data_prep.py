@@ -205,7 +205,7 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
     if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only
         fixed_key = key if answered is None else cache_key(main=key, fixed_sources=True)
-        parts.append((fixed_key, tokenize_dataset(fixed, target.tokenizer, cfg.max_length)))
+        parts.append((fixed_key, tokenize_dataset(answered_by_reference(fixed), target.tokenizer, cfg.max_length)))
     if answered is not None and fixed is not None:  # the token columns are what both kinds of rows share
         parts = [(k, part.select_columns(list(TOKEN_FEATURES)).cast(datasets.Features(TOKEN_FEATURES)))
                  for k, part in parts]
@@ -224,6 +224,23 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
     return TrainingData(train=train, heldout_prompts=prompts, teacher=teacher, source=source)
+
+
+def answered_by_reference(records: datasets.Dataset) -> datasets.Dataset:
+    """Fixed records as conversations: a prompt-and-answer record (instruction/output, question/answer:
+    its messages end with the user's turn, its answer is the reference column) becomes the conversation
+    it stands for, the reference as the assistant's turn. Conversations that hold assistant turns are
+    kept as they are; a prompt with neither is left without answer tokens (and dropped when tokenized)."""
+    if "reference" not in records.column_names or "input_ids" in records.column_names:
+        return records
+
+    def answer(row):
+        messages = row["messages"]
+        if messages and messages[-1]["role"] == "user" and row["reference"].strip():
+            messages = [*messages, {"role": "assistant", "content": row["reference"]}]
+        return {"messages": messages}
+
+    return records.map(answer, desc="answers from the reference column")
 
 
 def truncate(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:

@@ -68,3 +68,17 @@ def test_one_source_without_regeneration_is_the_fixed_path_alone(target, dataset
                         target, is_main=True, progress=False)
     assert data.source["regenerated"] is False and not list(tmp_path.glob("regen-*"))
     assert len(data.train) == 3 and all(sum(m) > 0 for m in data.train["loss_mask"])
+
+
+def test_prompt_and_answer_records_train_on_their_answers_without_regeneration(target, dataset_repo, tmp_path):
+    qa = tmp_path / "qa.jsonl"
+    rows = [{"question": f"what is {i} and {i}?", "answer": f"{i} and {i} make {2 * i}."} for i in range(6)]
+    rows.append({"question": "unanswered?", "answer": ""})  # nothing to learn: dropped
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = prepare_data(recipe(dataset_repo, qa, tmp_path, f"data.prompts=[{{source: '{qa}', regenerate: false}}]"),
+                        target, is_main=True, progress=False)
+    assert not list(tmp_path.glob("regen-*")) and len(data.train) == 7 - 2 - 1  # 2 held out, 1 unanswered
+    for ids, mask in zip(data.train["input_ids"], data.train["loss_mask"]):
+        learnt = target.tokenizer.decode([t for t, m in zip(ids, mask) if m])
+        question = target.tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+        assert " make " in learnt and "what is" not in learnt and "what is" in question
