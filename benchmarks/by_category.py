@@ -2,7 +2,7 @@
 
     python benchmarks/by_category.py --drafter DIR|early-exit:N|ngram|ngram+DIR
         [--prompts-file builtin:vicuna_bench,builtin:unlike_training] [--per-category 4]
-        [--draft-len 4] [--max-new-tokens 128] [--reps 2] [--verify-cost X] [--json out.json]
+        [--draft-len 4] [--max-new-tokens 128] [--reps 2] [--verify-cost X] [--round-cost R] [--json out.json]
 
 Batch 1, greedy, the embedded SmolLM2 by default. For every category of the prompt sources (vicuna_bench's
 writing, coding, math, ...; unlike_training's translation, summarization of a long passage and questions
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--verify-cost", type=float, default=None, help="the adaptive policy's (default: the device's)")
+    parser.add_argument("--round-cost", type=float, default=None, help="the adaptive policy's (default: the device's)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
         "plain": (plain, DecodeOptions(max_new_tokens=max_new, draft_len=0)),
         f"fixed D={d}": (decoder, DecodeOptions(max_new_tokens=max_new, draft_len=d)),
         f"adaptive D={d}": (decoder, DecodeOptions(max_new_tokens=max_new, draft_len=d, adaptive=True,
-                                                    verify_cost=args.verify_cost)),
+                                                    verify_cost=args.verify_cost, round_cost=args.round_cost)),
     }
     names = list(systems)
     # per (rep, system, category): tokens, seconds, rounds, drafted tokens

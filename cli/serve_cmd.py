@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     options = DecodeOptions(draft_len=args.draft_len, draft_confidence=args.draft_confidence,
                             draft_alternatives=args.draft_alternatives, leaf_min_prob=args.leaf_min_prob,
-                            adaptive=args.adaptive_draft, verify_cost=args.verify_cost)
+                            adaptive=args.adaptive_draft, verify_cost=args.verify_cost,
+                            round_cost=args.round_cost)
     target = load_model(args.target, device=device, dtype=dtype)
     proposer, _ = load_drafter(args.drafter, target, device=device, dtype=dtype,
                               allow_target_mismatch=args.allow_target_mismatch)

@@ -2,11 +2,15 @@
 
 A round that drafts d tokens for a row costs, relative to a plain decoding step of the target,
 
-    C(d) = 1 + d * c        c = draft cost + verify cost per drafted token
+    C(0) = 1,   C(d) = 1 + r + d * c  (d >= 1)     c = draft cost + verify cost per drafted token
 
 (the drafter's matmuls per drafted token over the target's, `DrafterKind.draft_cost`; and what one more
 position costs the target's verification pass, `verify_cost`, near 0 on a GPU at small batch, larger on
-a CPU, where a pass's cost grows with its tokens). With a per-token acceptance probability a, it emits
+a CPU, where a pass's cost grows with its tokens; `r`, `round_cost`, what a round that drafts at all
+costs beyond those: the drafter's first step and the verification of a multi-token pass over a one-token
+step. On SmolLM2-135M at batch 1 on one CPU thread, fixed D=4 rounds cost 2.0-2.05 plain steps in every
+prompt category, and adaptive rounds fit r about 0.4 beside c about 0.15: benchmarks/by_category.py).
+With a per-token acceptance probability a, it emits
 
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)
 
@@ -32,6 +36,9 @@ MAX_WAIT = 32
 # device type (SmolLM2-135M on 2 CPU cores: 0.07 at batch 1, 0.15 at batch 4, benchmarks/verify_cost.py;
 # a GPU at small batch: next to nothing). Unknown devices: cpu's.
 VERIFY_COST = {"cpu": 0.1, "cuda": 0.02}
+# What a drafting round costs beyond its per-token costs, relative to a one-token step, per device type
+# (CPU: fitted as the module docstring says; CUDA: not measured here, a small guess).
+ROUND_COST = {"cpu": 0.4, "cuda": 0.05}
 
 
 def expected_tokens(acceptance: float, draft_len: int) -> float:
@@ -39,11 +46,11 @@ def expected_tokens(acceptance: float, draft_len: int) -> float:
     return sum(acceptance ** i for i in range(draft_len + 1))
 
 
-def best_draft_len(acceptance: float, cost: float, max_len: int) -> int:
-    """d* in 0..max_len maximising E(d) / (1 + d * cost); the shortest on ties."""
+def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0) -> int:
+    """d* in 0..max_len maximising E(d) / C(d); the shortest on ties."""
     best, best_rate = 0, 1.0
     for d in range(1, max_len + 1):
-        rate = expected_tokens(acceptance, d) / (1.0 + d * cost)
+        rate = expected_tokens(acceptance, d) / (1.0 + round_cost + d * cost)
         if rate > best_rate + 1e-12:
             best, best_rate = d, rate
     return best
@@ -52,24 +59,28 @@ def best_draft_len(acceptance: float, cost: float, max_len: int) -> int:
 class AdaptiveDraftLength:
     """Per-row acceptance estimates and draft lengths for a running batch (rows join and leave)."""
 
-    def __init__(self, cost: float, *, decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0):
-        if cost < 0:
-            raise ValueError(f"the draft cost per token must be >= 0, got {cost}")
-        self.cost, self.decay, self.prior, self.prior_weight = cost, decay, prior, prior_weight
+    def __init__(self, cost: float, *, round_cost: float = 0.0, decay: float = 0.7, prior: float = 0.6,
+                 prior_weight: float = 1.0):
+        if cost < 0 or round_cost < 0:
+            raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round")
+        self.cost, self.round_cost = cost, round_cost
+        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
         self.accepted: list[float] = []  # per row: decayed accepted draft tokens
         self.offered: list[float] = []  # per row: decayed offered ones (up to the first rejected)
         self.wait: list[int] = []  # per row: plain rounds left before the next probe
         self.backoff: list[int] = []  # per row: the wait after the next failed probe
+        self.cap: list[int] = []  # per row: its latest most draft tokens (D, within its budget)
 
     def add_rows(self, n: int) -> None:
         self.accepted += [0.0] * n
         self.offered += [0.0] * n
         self.wait += [0] * n
         self.backoff += [1] * n
+        self.cap += [1] * n
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows, in this order (the others left the batch)."""
-        for name in ("accepted", "offered", "wait", "backoff"):
+        for name in ("accepted", "offered", "wait", "backoff", "cap"):
             values = getattr(self, name)
             setattr(self, name, [values[b] for b in rows])
 
@@ -83,7 +94,8 @@ class AdaptiveDraftLength:
             if cap <= 0:
                 out.append(0)
                 continue
-            d = best_draft_len(self.acceptance(b), self.cost, cap)
+            self.cap[b] = cap
+            d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost)
             if d == 0:
                 if self.wait[b] > 0:
                     self.wait[b] -= 1
@@ -99,7 +111,7 @@ class AdaptiveDraftLength:
                 continue
             self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
             self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
-            if best_draft_len(self.acceptance(b), self.cost, 1) == 0:  # drafting does not pay (now)
+            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost) == 0:  # drafting does not pay (now)
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
             else:
                 self.wait[b], self.backoff[b] = 0, 1
@@ -110,7 +122,7 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     if not options.adaptive or decoder.proposer is None:
         return None
     proposer, target = decoder.proposer, decoder.target
-    verify = options.verify_cost
-    if verify is None:
-        verify = VERIFY_COST.get(decoder.device.type, VERIFY_COST["cpu"])
-    return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify)
+    device = decoder.device.type
+    verify = VERIFY_COST.get(device, VERIFY_COST["cpu"]) if options.verify_cost is None else options.verify_cost
+    per_round = ROUND_COST.get(device, ROUND_COST["cpu"]) if options.round_cost is None else options.round_cost
+    return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify, round_cost=per_round)

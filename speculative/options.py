@@ -33,6 +33,9 @@ class DecodeOptions:
     verify_cost: float | None = None
     """(adaptive) What one more verified position costs the target's pass, relative to a one-token step;
     None = the device type's (adaptive.VERIFY_COST)."""
+    round_cost: float | None = None
+    """(adaptive) What a round that drafts at all costs beyond its per-token costs, relative to a one-token
+    step; None = the device type's (adaptive.ROUND_COST)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -47,6 +50,8 @@ class DecodeOptions:
             raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {self.leaf_min_prob}")
         if self.verify_cost is not None and not 0.0 <= self.verify_cost:
             raise InvalidInputError(f"verify cost must be >= 0, got {self.verify_cost}")
+        if self.round_cost is not None and not 0.0 <= self.round_cost:
+            raise InvalidInputError(f"round cost must be >= 0, got {self.round_cost}")
 
 
 @dataclass(frozen=True)

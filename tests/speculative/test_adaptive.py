@@ -101,3 +101,10 @@ def test_options_are_checked():
 
     with pytest.raises(InvalidInputError, match="verify cost"):
         DecodeOptions(adaptive=True, verify_cost=-0.1)
+
+
+def test_a_per_round_cost_stops_short_drafts_that_do_not_pay_and_favours_long_ones():
+    assert best_draft_len(0.45, 0.15, 4) >= 1  # per-token costs alone: drafting pays
+    assert best_draft_len(0.45, 0.15, 4, round_cost=0.4) == 0  # a drafting round's own cost: it does not
+    assert best_draft_len(0.8, 0.15, 4, round_cost=0.4) == 4  # well-accepted rows amortise it over D
+    assert best_draft_len(0.8, 0.15, 1, round_cost=0.4) == 1
