@@ -149,15 +149,17 @@ def summarise(results: list[dict], rate: float, args) -> dict:
             "slo_met": len(good) / len(results)}
 
 
-def crossover(plain: list[dict], spec: list[dict]) -> float | None:
-    """The rate where spec's p50 TPOT reaches plain's (interpolated), None if it stays below."""
+def crossover(plain: list[dict], spec: list[dict]) -> tuple[float | None, str]:
+    """(the rate where spec's p50 TPOT reaches plain's, interpolated; how the curves relate): "crosses",
+    "ahead at every rate" (no crossover within the rates tried, rate None) or "never ahead" (spec is
+    already slower at the lowest rate tried: there is nothing to cross, rate None)."""
     gaps = [(p["rate"], s["tpot"]["p50"] - p["tpot"]["p50"]) for p, s in zip(plain, spec)]
     if gaps[0][1] >= 0:
-        return gaps[0][0]
+        return None, "never ahead"
     for (r0, g0), (r1, g1) in zip(gaps, gaps[1:]):
         if g1 >= 0:
-            return r0 + (r1 - r0) * (-g0) / (g1 - g0)
-    return None
+            return r0 + (r1 - r0) * (-g0) / (g1 - g0), "crosses"
+    return None, "ahead at every rate"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -235,12 +237,14 @@ def main(argv=None) -> int:
     plain = report["configs"].get("none")
     for name, config in report["configs"].items():
         if plain is not None and name != "none":
-            config["crossover_rate"] = crossover(plain["rates"], config["rates"])
+            config["crossover_rate"], config["crossover"] = crossover(plain["rates"], config["rates"])
             low = plain["rates"][0]["tpot"]["p50"] / config["rates"][0]["tpot"]["p50"]
             config["low_load_tpot_p50_speedup"] = low
             where = config["crossover_rate"]
-            print(f"{name}: p50 TPOT speedup over plain {low:.2f}x at {rates[0]} req/s; crosses plain at "
-                  f"{'%.3f req/s' % where if where is not None else 'no rate tried'}; peak RSS "
+            relation = f"crosses plain at {where:.3f} req/s" if where is not None else (
+                "slower than plain at every rate tried" if config["crossover"] == "never ahead"
+                else "ahead of plain at every rate tried")
+            print(f"{name}: p50 TPOT speedup over plain {low:.2f}x at {rates[0]} req/s; {relation}; peak RSS "
                   f"{(config['peak_rss_bytes'] or 0) / 2**20:.0f} MiB (plain {(plain['peak_rss_bytes'] or 0) / 2**20:.0f})")
     report["text_mismatches"] = mismatches
     args.out.mkdir(parents=True, exist_ok=True)

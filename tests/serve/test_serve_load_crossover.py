@@ -1,0 +1,26 @@
+"""benchmarks/serve_load.py's crossover: where a drafter's p50 time per output token stops beating plain's."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_load.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(rates, tpots):
+    return [{"rate": r, "tpot": {"p50": t}} for r, t in zip(rates, tpots)]
+
+
+def test_crossover_is_interpolated_and_a_drafter_slower_from_the_start_never_crosses():
+    crossover = load().crossover
+    plain = rows([0.1, 0.3, 0.9], [60.0, 90.0, 130.0])
+    rate, how = crossover(plain, rows([0.1, 0.3, 0.9], [40.0, 80.0, 150.0]))
+    assert how == "crosses" and abs(rate - (0.3 + 0.6 * 10 / 30)) < 1e-9
+    assert crossover(plain, rows([0.1, 0.3, 0.9], [70.0, 140.0, 170.0])) == (None, "never ahead")
+    assert crossover(plain, rows([0.1, 0.3, 0.9], [30.0, 60.0, 100.0])) == (None, "ahead at every rate")
