@@ -111,7 +111,8 @@ class AdaptiveDraftLength:
                 continue
             self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
             self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
-            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost) == 0:  # drafting does not pay (now)
+            # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
+            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
             else:
                 self.wait[b], self.backoff[b] = 0, 1
@@ -123,6 +124,11 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
         return None
     proposer, target = decoder.proposer, decoder.target
     device = decoder.device.type
-    verify = VERIFY_COST.get(device, VERIFY_COST["cpu"]) if options.verify_cost is None else options.verify_cost
-    per_round = ROUND_COST.get(device, ROUND_COST["cpu"]) if options.round_cost is None else options.round_cost
+    verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
+    per_round = _given_or_device(options.round_cost, ROUND_COST, device)
     return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify, round_cost=per_round)
+
+
+def _given_or_device(given: float | None, per_device: dict[str, float], device: str) -> float:
+    """An option's value, or when unset the device type's (unknown devices: cpu's)."""
+    return per_device.get(device, per_device["cpu"]) if given is None else given
