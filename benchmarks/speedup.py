@@ -44,6 +44,7 @@ import torch
 from draftsmith.speculative import kinds
 from draftsmith.data.prompts import load_conversations
 from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.prompts import encode_prompt, stop_token_ids
@@ -122,13 +123,15 @@ def main(argv=None) -> int:
     parser.add_argument("--leaf-min-probs", default="0",
                         help="comma list of leaf_min_prob values for the rows with alternatives")
     parser.add_argument("--no-heuristic", action="store_true", help="leave out HF's heuristic schedule")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                        help="target and drafter weights (every row, the baseline included, runs in it)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.manual_seed(0)
 
-    target = load_model(args.target)
-    proposer = build_proposer(args.drafter, target)
+    target = load_model(args.target, dtype=DTYPES[args.dtype])
+    proposer = build_proposer(args.drafter, target, dtype=DTYPES[args.dtype])
     # Hugging Face assisted generation takes a causal LM as assistant_model: a draft LM or early exit, not
     # an EAGLE drafter (which reads the target's features) nor heads or lookup.
     assistant = kinds.of(proposer).assistant_model(proposer)
@@ -181,7 +184,7 @@ def main(argv=None) -> int:
         rows.append({"system": name, "tokens_per_s": tps, "acceptance_length": runs[0][1],
                      "speedup_vs_hf_generate": tps / base, "exact_outputs": f"{min(r[2] for r in runs)}/{len(prompts)}"})
     print(f"\ntarget {target.name}, drafter {args.drafter}, {len(prompts)} prompts, batch 1, greedy, "
-          f"{args.max_new_tokens} new tokens, median of {args.reps}, {torch.get_num_threads()} threads")
+          f"{args.max_new_tokens} new tokens, {args.dtype}, median of {args.reps}, {torch.get_num_threads()} threads")
     print(f"{'system':26s} {'tok/s':>8s} {'AL':>6s} {'speedup':>8s} {'exact':>7s}")
     for r in rows:
         print(f"{r['system']:26s} {r['tokens_per_s']:8.2f} {r['acceptance_length']:6.2f} "

@@ -17,9 +17,11 @@ only from its request's generator, in an order that depends only on the row), so
 emits the target's greedy decoding of it alone, and a seeded sampled request repeats exactly whatever
 joins or leaves around it (as for any batch, up to the floating-point reduction order of batch shapes).
 
-Per request: its sampling and seed, its token budget, its own stop ids besides the decoder's and its
-draft length within the engine's D (`Request`). How the engine drafts otherwise (confidence stop,
-sibling leaves) is its `DecodeOptions`, one for the batch.
+Per request: its sampling and seed, its token budget, its own stop ids besides the decoder's, and how it
+drafts: its draft length within the engine's D, its confidence stop, its sibling leaves within the
+engine's A (the engine sizes the batch's verification pass) and their minimum probability (`Request`;
+unset, the engine's `DecodeOptions`). A row's drafts depend on its own settings only, so its tokens do
+not depend on what the other rows ask for.
 
 Memory: with `kv_budget` (tokens), a running request holds a reservation of prompt + max_new_tokens + D
 cache slots (the most its row can fill: its context, plus one round's verification slots) from the

@@ -171,7 +171,7 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.small_gemm = wanted(self.device) if small_gemm is None else small_gemm
+        self.small_gemm = wanted(self.device, next(target.parameters()).dtype) if small_gemm is None else small_gemm
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
@@ -360,8 +360,20 @@ class _Run:
         if proposer is None or max(max_lens) <= 0 or (proposer.needs_target_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
         ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.options, self.target_hidden,
-                           check=self.check)
+                           check=self.check, **self.row_drafting())
         return proposer.propose(ctx)
+
+    def row_drafting(self) -> dict[str, list]:
+        """Each row's confidence stop, sibling leaves (within the batch's A: the engine sizes the pass)
+        and leaf minimum probability, its request's where it sets them, else the options'."""
+        o = self.options
+        return {
+            "confidence": [o.draft_confidence if q.draft_confidence is None else q.draft_confidence
+                           for q in self.requests],
+            "alternatives": [o.draft_alternatives if q.draft_alternatives is None
+                             else min(q.draft_alternatives, o.draft_alternatives) for q in self.requests],
+            "leaf_min_prob": [o.leaf_min_prob if q.leaf_min_prob is None else q.leaf_min_prob for q in self.requests],
+        }
 
     @_timed("target_s")
     def score(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -30,7 +30,6 @@ from draftsmith.speculative import kinds
 from draftsmith.speculative.errors import ModelLoadError
 from draftsmith.speculative.kinds import DrafterKind, Footprint, top1_agreement, weight_bytes
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext
-from draftsmith.speculative.tree import runner_ups
 
 WEIGHTS = "heads.safetensors"
 
@@ -114,16 +113,16 @@ class MedusaProposer(Proposer):
         logits = self.heads(hidden.to(next(self.heads.parameters()).dtype))[:, :width]  # [B, width, V]
         tokens = logits.argmax(dim=-1)  # lowest index on ties, like every argmax in draftsmith
         lens = torch.tensor(ctx.max_lens, device=hidden.device).clamp(max=width)
-        if options.draft_confidence > 0:  # the chain ends after the first head below the threshold
-            confident = logits.float().softmax(dim=-1).amax(dim=-1) >= options.draft_confidence  # [B, width]
+        thresholds = ctx.stop_thresholds(hidden.device)  # [B] or None
+        if thresholds is not None:  # the chain ends after the first head below the row's threshold
+            confident = logits.float().softmax(dim=-1).amax(dim=-1) >= thresholds[:, None]  # [B, width]
             run = confident.long().cumprod(dim=1).sum(dim=1)  # leading confident heads
             lens = torch.minimum(lens, (run + 1).clamp(max=width))
         alternatives = None
-        if options.draft_alternatives > 0:
+        if ctx.leaf_count > 0:
             greedy, reach, columns = ctx.sampling.greedy, None, []
             for k in range(width):  # head k's estimate builds on heads 0..k-1's
-                leaves, reach = runner_ups(logits[:, k], tokens[:, k], options.draft_alternatives, greedy, reach,
-                                           options.leaf_min_prob)
+                leaves, reach = ctx.leaves(logits[:, k], tokens[:, k], greedy, reach)
                 columns.append(leaves)
             alternatives = torch.stack(columns, dim=1)
         return Draft(tokens, lens, None, alternatives)

@@ -1,7 +1,8 @@
 """The request bodies of the OpenAI-compatible endpoints (server.py), and what draftsmith refuses.
 
 Fields are OpenAI's; draftsmith adds `top_k`, `draft_len` (this request's most draft tokens per round,
-within the server's D), `stop_token_ids` and `ignore_eos`. Unknown fields are ignored, as OpenAI's own
+within the server's D), `draft_confidence`, `draft_alternatives` (within the server's A) and
+`leaf_min_prob` (how this request drafts; see `DecodeOptions`), `stop_token_ids` and `ignore_eos`. Unknown fields are ignored, as OpenAI's own
 clients send fields a server may not know. Features draftsmith does not have (n > 1, logprobs, echo,
 penalties, logit bias) are refused with a 400 rather than silently ignored.
 """
@@ -52,6 +53,9 @@ class SamplingBody(BaseModel):
     logit_bias: dict | None = None
     user: str | None = None
     draft_len: int | None = None  # extension
+    draft_confidence: float | None = None  # extension: stop a draft after a token the drafter gives less
+    draft_alternatives: int | None = None  # extension: sibling leaves per draft position (within the server's)
+    leaf_min_prob: float | None = None  # extension
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension: generate to max_tokens (benchmarks)
 
@@ -70,6 +74,12 @@ class SamplingBody(BaseModel):
             raise ApiError(400, f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
         if self.draft_len is not None and self.draft_len < 0:
             raise ApiError(400, f"draft_len must be >= 0, got {self.draft_len}", "draft_len")
+        if self.draft_confidence is not None and not 0.0 <= self.draft_confidence < 1.0:
+            raise ApiError(400, f"draft_confidence must lie in [0, 1), got {self.draft_confidence}", "draft_confidence")
+        if self.draft_alternatives is not None and self.draft_alternatives < 0:
+            raise ApiError(400, f"draft_alternatives must be >= 0, got {self.draft_alternatives}", "draft_alternatives")
+        if self.leaf_min_prob is not None and not 0.0 <= self.leaf_min_prob < 1.0:
+            raise ApiError(400, f"leaf_min_prob must lie in [0, 1), got {self.leaf_min_prob}", "leaf_min_prob")
         stops = self.stops()
         if len(stops) > MAX_STOP_STRINGS:
             raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop sequences, got {len(stops)}", "stop")

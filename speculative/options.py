@@ -42,12 +42,7 @@ class DecodeOptions:
             raise InvalidInputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.draft_len < 0:
             raise InvalidInputError(f"draft length must be >= 0, got {self.draft_len}")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            raise InvalidInputError(f"draft confidence must lie in [0, 1), got {self.draft_confidence}")
-        if self.draft_alternatives < 0:
-            raise InvalidInputError(f"draft alternatives must be >= 0, got {self.draft_alternatives}")
-        if not 0.0 <= self.leaf_min_prob < 1.0:
-            raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {self.leaf_min_prob}")
+        _check_drafting(self.draft_confidence, self.draft_alternatives, self.leaf_min_prob)
         if self.verify_cost is not None and not 0.0 <= self.verify_cost:
             raise InvalidInputError(f"verify cost must be >= 0, got {self.verify_cost}")
         if self.round_cost is not None and not 0.0 <= self.round_cost:
@@ -57,7 +52,8 @@ class DecodeOptions:
 @dataclass(frozen=True)
 class Request:
     """One request for an engine (engine.py): its prompt, sampling and limits, what `DecodeOptions` sets
-    for a whole `generate` call. How it drafts otherwise (confidence, alternatives) is the engine's."""
+    for a whole `generate` call, and how it drafts where it differs from the engine's `DecodeOptions`
+    (each None = the engine's value)."""
 
     prompt: tuple[int, ...]
     """Token ids, at least one."""
@@ -67,6 +63,13 @@ class Request:
     """Most tokens generated (a stop token ends it earlier)."""
     draft_len: int | None = None
     """Most draft tokens per round for this request; None = the engine's D, 0 = plain decoding."""
+    draft_confidence: float | None = None
+    """This request's confidence stop (`DecodeOptions.draft_confidence`); 0 = a fixed length."""
+    draft_alternatives: int | None = None
+    """This request's sibling leaves per draft position, within the engine's A (they widen the batch's
+    verification pass, which the engine sizes)."""
+    leaf_min_prob: float | None = None
+    """This request's `DecodeOptions.leaf_min_prob`."""
     stop_token_ids: frozenset[int] = frozenset()
     """Stop tokens besides the decoder's own (its EOS)."""
     ignore_eos: bool = False
@@ -81,3 +84,14 @@ class Request:
             raise InvalidInputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.draft_len is not None and self.draft_len < 0:
             raise InvalidInputError(f"draft length must be >= 0, got {self.draft_len}")
+        _check_drafting(self.draft_confidence, self.draft_alternatives, self.leaf_min_prob)
+
+
+def _check_drafting(confidence: float | None, alternatives: int | None, min_prob: float | None) -> None:
+    """The ranges `DecodeOptions` and `Request` share (None = not given)."""
+    if confidence is not None and not 0.0 <= confidence < 1.0:
+        raise InvalidInputError(f"draft confidence must lie in [0, 1), got {confidence}")
+    if alternatives is not None and alternatives < 0:
+        raise InvalidInputError(f"draft alternatives must be >= 0, got {alternatives}")
+    if min_prob is not None and not 0.0 <= min_prob < 1.0:
+        raise InvalidInputError(f"leaf min prob must lie in [0, 1), got {min_prob}")

@@ -14,7 +14,9 @@ Each proposer names its kind (`kind`, a name in the registry of kinds.py), which
 I/O, footprint and training objective. `ChainProposer` is the chain machinery shared by drafters that
 draft autoregressively with a KV-cached module (draft LM, early exit, EAGLE).
 
-The decoding options reach a proposer as `RoundContext.options` (a `DecodeOptions`).
+The decoding options reach a proposer as `RoundContext.options` (a `DecodeOptions`); the three that a
+request may set for itself (confidence, alternatives, leaf_min_prob) come resolved per row in the
+context (`RoundContext.confidence`, `.alternatives`, `.leaf_min_prob`), which proposers read instead.
 `options.draft_confidence` asks for dynamic draft lengths: a model drafter stops drafting a row
 after the first token whose draft probability is below it (that token is still proposed), so
 confident stretches get long drafts and uncertain ones short drafts (Hugging Face assisted
@@ -78,6 +80,40 @@ class RoundContext:
     options: DecodeOptions = DecodeOptions()
     target_hidden: torch.Tensor | None = None  # [B, H] hidden state that produced history[b][-1]
     check: bool = False  # validate the drafter's outputs this round (costs host syncs; see generate.py)
+    # Per row: how it drafts (a request's own settings, engine.py). None = the options' value for every row.
+    confidence: list[float] | None = None  # its confidence stop (0 = none)
+    alternatives: list[int] | None = None  # its sibling leaves per position (0 = none)
+    leaf_min_prob: list[float] | None = None
+
+    def __post_init__(self):
+        rows = len(self.max_lens)
+        if self.confidence is None:
+            self.confidence = [self.options.draft_confidence] * rows
+        if self.alternatives is None:
+            self.alternatives = [self.options.draft_alternatives] * rows
+        if self.leaf_min_prob is None:
+            self.leaf_min_prob = [self.options.leaf_min_prob] * rows
+
+    def stop_thresholds(self, device) -> torch.Tensor | None:
+        """[B] each row's confidence stop, or None when no row stops early."""
+        return torch.tensor(self.confidence, device=device) if max(self.confidence) > 0 else None
+
+    @property
+    def leaf_count(self) -> int:
+        """The most sibling leaves any row takes per draft position (0 = a chain for every row)."""
+        return max(self.alternatives)
+
+    def leaves(self, logits: torch.Tensor, drafted: torch.Tensor, rows: torch.Tensor,
+               reach: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`tree.runner_ups` at one draft position ([B, V] logits, [B] drafted tokens, [B] rows that get
+        leaves) with each row's own count and minimum probability: [B, leaf_count] leaves, next reach."""
+        count = self.leaf_count
+        min_prob = torch.tensor(self.leaf_min_prob, device=logits.device)
+        leaves, reach = runner_ups(logits, drafted, count, rows, reach, min_prob)
+        if min(self.alternatives) < count:  # rows asking fewer leaves than the widest row
+            own = torch.tensor(self.alternatives, device=logits.device)
+            leaves = leaves.masked_fill(torch.arange(count, device=logits.device)[None, :] >= own[:, None], -1)
+        return leaves, reach
 
 
 class Proposer(ABC):
@@ -173,6 +209,7 @@ class ChainProposer(Proposer):
         tokens, valid = self._draft_inputs()
         lens = torch.tensor(ctx.max_lens, device=self.device).clamp(max=draft_len)
         drafts, probs, alternatives, reach = [], [], [], None
+        thresholds = ctx.stop_thresholds(self.device)  # [B] or None
         for step in range(draft_len):
             logits = self._draft_forward(tokens, valid)  # [B, 1, V]
             if ctx.check and bool(torch.isnan(logits).any()):
@@ -187,12 +224,11 @@ class ChainProposer(Proposer):
                 token = torch.where(sampled, race_sample(q, ctx.rng.exponential(draw, q.shape[-1])), token)
                 probs.append(q)
             drafts.append(token)
-            if options.draft_alternatives > 0:
-                leaves, reach = runner_ups(logits[:, 0], token, options.draft_alternatives, ~sampled, reach,
-                                           options.leaf_min_prob)
+            if ctx.leaf_count > 0:
+                leaves, reach = ctx.leaves(logits[:, 0], token, ~sampled, reach)
                 alternatives.append(leaves)
-            if options.draft_confidence > 0:
-                lens = self._stop_unconfident(lens, step, logits[:, 0], q, token, sampled, options.draft_confidence)
+            if thresholds is not None:
+                lens = self._stop_unconfident(lens, step, logits[:, 0], q, token, sampled, thresholds)
                 if int(lens.max()) <= step + 1:  # every row has stopped: no further draft step
                     break
             if step < draft_len - 1:  # the last draft token is never fed: the target verifies it
@@ -213,7 +249,7 @@ class ChainProposer(Proposer):
     @staticmethod
     def _stop_unconfident(lens, step, logits, q, token, sampled, threshold) -> torch.Tensor:
         """Cap at step + 1 the length of every row whose token at `step` has draft probability below
-        `threshold`: q for sampled rows, the softmax of the raw logits for greedy rows."""
+        its `threshold` ([B]; 0 never stops): q for sampled rows, the softmax of the raw logits for greedy rows."""
         confidence = logits.softmax(dim=-1).gather(1, token[:, None])[:, 0]
         if q is not None:
             confidence = torch.where(sampled, q.gather(1, token[:, None])[:, 0], confidence)

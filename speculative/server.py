@@ -86,7 +86,9 @@ class Serving:
         seed = secrets.randbits(63) if body.seed is None else body.seed
         sampling = SamplingParams(temperature, max(body.top_k or 0, 0), 1.0 if body.top_p is None else body.top_p, seed)
         stops = set(body.stop_token_ids or [])
-        request = Request(prompt, sampling, max_tokens, body.draft_len, frozenset(stops), body.ignore_eos)
+        request = Request(prompt, sampling, max_tokens, draft_len=body.draft_len, draft_confidence=body.draft_confidence,
+                          draft_alternatives=body.draft_alternatives, leaf_min_prob=body.leaf_min_prob,
+                          stop_token_ids=frozenset(stops), ignore_eos=body.ignore_eos)
         engine = self.worker.engine
         if engine.kv_budget is not None and engine.need(request) > engine.kv_budget:
             raise ApiError(400, f"the request needs {engine.need(request)} KV tokens; the server's budget is "

@@ -57,6 +57,8 @@ def small_row_linears(*modules: nn.Module | None) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
-def wanted(device: torch.device) -> bool:
-    """The default: on for CPU devices, where the BLAS shape problem occurs; GPUs keep their own kernels."""
-    return torch.device(device).type == "cpu"
+def wanted(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """The default: on for float32 weights on CPU devices, where the BLAS shape problem occurs. GPUs keep
+    their own kernels, and so do 16-bit weights on CPU: oneDNN's bfloat16 path already runs a 5-token
+    pass at about 1.1x a one-token step (SmolLM2-135M, one AVX-512 BF16 core), and W @ x.T would slow it."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32

@@ -38,7 +38,7 @@ def runner_ups(
     count: int,  # A
     rows: torch.Tensor,  # [...] bool: positions that get leaves (greedy rows)
     reach: torch.Tensor | None = None,  # [...] the drafter's estimate that the chain gets this far
-    min_prob: float = 0.0,
+    min_prob: float | torch.Tensor = 0.0,  # or [...] per position
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The leaves of one draft position: [..., A] the best-ranked tokens other than the drafted one
     (ties: lowest index first, like the drafter's argmax), -1 where a row gets no leaves, a candidate
@@ -58,6 +58,8 @@ def runner_ups(
     values, indices = top.values.gather(-1, order), top.indices.gather(-1, order)
     order = torch.argsort(-values, dim=-1, stable=True)
     values, indices = values.gather(-1, order), indices.gather(-1, order)
+    if torch.is_tensor(min_prob):
+        min_prob = min_prob[..., None]
     likely = reach[..., None] * probs.gather(-1, indices) >= min_prob
     usable = (indices != drafted[..., None]) & torch.isfinite(values) & rows[..., None] & likely
     # The first `count` usable candidates, in rank order.

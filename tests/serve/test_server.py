@@ -147,6 +147,16 @@ def test_models_health_and_metrics(server):
         assert name in text, name
 
 
+def test_a_request_drafting_its_own_way_still_decodes_exactly(server, offline):
+    """How a request drafts (extra body fields) changes its speed, never its greedy text; the engine's
+    tests check that each row drafts as its request asks."""
+    prompt = [1, 84, 104, 101, 32, 113, 117, 105, 99, 107]
+    expected = offline.text(offline.run(prompt, SamplingParams(0.0), 16))
+    for extra in ({"draft_confidence": 0.5, "draft_len": 2}, {"draft_alternatives": 3, "leaf_min_prob": 0.1}):
+        got = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
+        assert got.choices[0].text == expected, extra
+
+
 BAD = [
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
@@ -157,6 +167,9 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),  # over the KV budget
     ({"model": MODEL, "prompt": [1, 5000]}, 400, "prompt"),  # an id outside the vocabulary
     ({"model": MODEL}, 400, "prompt"),  # no prompt
+    ({"model": MODEL, "prompt": "hi", "draft_confidence": 1.5}, 400, "draft_confidence"),
+    ({"model": MODEL, "prompt": "hi", "draft_alternatives": -1}, 400, "draft_alternatives"),
+    ({"model": MODEL, "prompt": "hi", "leaf_min_prob": 1.0}, 400, "leaf_min_prob"),
 ]
 
 

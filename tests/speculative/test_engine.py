@@ -273,3 +273,42 @@ def test_min_join_admits_waiting_requests_in_groups_and_stays_exact(target, rand
     assert all(n >= 2 for running, n in joins[1:])  # later joins: never one row alone while others wait
     with pytest.raises(InvalidInputError, match="min_join"):
         Engine(decoder, min_join=0)
+
+
+# Per request: (its sampling, draft_confidence, draft_alternatives, leaf_min_prob); None = the engine's.
+OWN_DRAFTING = [(SamplingParams(), 0.5, None, None), (SamplingParams(), None, 2, 0.0),
+                (SamplingParams(), None, 1, 0.2), (SamplingParams(), None, None, None),
+                (SamplingParams(0.8, seed=4), 0.3, None, None), (SamplingParams(), 0.0, 0, None),
+                (SamplingParams(), 0.9, 5, None)]
+
+
+def chunks_of(engine, requests):
+    """Every request added at once, stepped to the end: per request the list of its steps' emissions."""
+    ids = {engine.add(r): i for i, r in enumerate(requests)}
+    out = [[] for _ in requests]
+    while engine.busy:
+        for e in engine.step():
+            if e.tokens:
+                out[ids[e.request_id]].append(e.tokens)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "random", "lookup-first-eagle"])
+def test_each_request_drafts_with_its_own_confidence_and_leaves(kind, target, random_drafter, eagle_drafter,
+                                                                  hf_greedy):
+    decoder = SpeculativeDecoder(target, make_proposer(kind, target, random_drafter, eagle_drafter))
+    engine_options = DecodeOptions(draft_len=D, draft_confidence=0.1, draft_alternatives=2, leaf_min_prob=0.05)
+    requests = [Request(PROMPTS[i % len(PROMPTS)], s, 12, draft_confidence=c, draft_alternatives=a, leaf_min_prob=m)
+                for i, (s, c, a, m) in enumerate(OWN_DRAFTING)]
+    together = chunks_of(Engine(decoder, engine_options), requests)
+    for i, (r, got) in enumerate(zip(requests, together)):
+        own = DecodeOptions(  # what the request asked for, resolved against the engine's (A within its A)
+            draft_len=D,
+            draft_confidence=engine_options.draft_confidence if r.draft_confidence is None else r.draft_confidence,
+            draft_alternatives=min(engine_options.draft_alternatives if r.draft_alternatives is None
+                                   else r.draft_alternatives, engine_options.draft_alternatives),
+            leaf_min_prob=engine_options.leaf_min_prob if r.leaf_min_prob is None else r.leaf_min_prob)
+        alone = chunks_of(Engine(decoder, own), [Request(r.prompt, r.sampling, r.max_new_tokens)])[0]
+        assert got == alone, f"request {i}: its rounds differ from decoding it alone with its own settings"
+        if r.sampling.greedy:
+            assert sum(got, []) == hf_greedy(target, list(r.prompt), r.max_new_tokens)

@@ -64,3 +64,14 @@ def test_runtime_switch(target, random_drafter, small_gemm):
     assert "forward" not in vars(head) and "forward" not in vars(draft_head)
     other = SpeculativeDecoder(target, EarlyExitProposer(target, 1), small_gemm=not small_gemm)
     assert other.generate([[1, 72, 105, 33, 40]], options=DecodeOptions(max_new_tokens=12, draft_len=3)).tokens == result.tokens
+
+
+def test_the_few_row_path_is_the_default_for_float32_on_cpu_only():
+    from draftsmith.speculative.small_gemm import wanted
+    from draftsmith.speculative.tiny import tiny_model
+
+    assert wanted("cpu") and wanted("cpu", torch.float32)
+    assert not wanted("cpu", torch.bfloat16) and not wanted("cpu", torch.float16)  # oneDNN's own path is faster
+    assert not wanted("cuda", torch.float32)
+    assert SpeculativeDecoder(tiny_model(0, num_layers=1)).small_gemm
+    assert not SpeculativeDecoder(tiny_model(0, num_layers=1).to(torch.bfloat16)).small_gemm
