@@ -34,6 +34,7 @@ import torch
 
 from draftsmith.data.prompts import load_conversations
 from draftsmith.speculative.drafters import build_proposer
+from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.options import DecodeOptions
@@ -63,12 +64,13 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--verify-cost", type=float, default=None, help="the adaptive policy's (default: the device's)")
     parser.add_argument("--round-cost", type=float, default=None, help="the adaptive policy's (default: the device's)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="target and drafter weights")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    target = load_model(args.target)
+    target = load_model(args.target, dtype=DTYPES[args.dtype])
     stops = stop_token_ids(target.model, target.tokenizer)
-    decoder = SpeculativeDecoder(target.model, build_proposer(args.drafter, target), stop_token_ids=stops)
+    decoder = SpeculativeDecoder(target.model, build_proposer(args.drafter, target, dtype=DTYPES[args.dtype]), stop_token_ids=stops)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     categories = prompts_by_category(args.prompts_file.split(","), args.per_category)
     d, max_new = args.draft_len, args.max_new_tokens

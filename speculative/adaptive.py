@@ -29,16 +29,20 @@ resets it. Where drafts are rejected the overhead is then one draft token every 
 
 from __future__ import annotations
 
+import torch
+
 from draftsmith.speculative import kinds
 
 MAX_WAIT = 32
 # What one more verified position costs the target's pass, relative to a one-token decoding step, per
-# device type (SmolLM2-135M on 2 CPU cores: 0.07 at batch 1, 0.15 at batch 4, benchmarks/verify_cost.py;
-# a GPU at small batch: next to nothing). Unknown devices: cpu's.
-VERIFY_COST = {"cpu": 0.1, "cuda": 0.02}
-# What a drafting round costs beyond its per-token costs, relative to a one-token step, per device type
-# (CPU: fitted as the module docstring says; CUDA: not measured here, a small guess).
-ROUND_COST = {"cpu": 0.4, "cuda": 0.05}
+# device type and weight width (SmolLM2-135M on 2 CPU cores in float32: 0.07 at batch 1, 0.15 at batch 4,
+# benchmarks/verify_cost.py; in bfloat16 on one AVX-512 BF16 core, where oneDNN runs a 5-token pass at
+# about 1.1x a one-token step: 0.02; a GPU at small batch: next to nothing). Unknown devices: cpu's.
+VERIFY_COST = {"cpu": 0.1, "cpu-16bit": 0.02, "cuda": 0.02}
+# What a drafting round costs beyond its per-token costs, relative to a one-token step (CPU float32:
+# fitted as the module docstring says; the rest are not fitted here: small guesses, since there a
+# multi-token pass costs about what a one-token step does).
+ROUND_COST = {"cpu": 0.4, "cpu-16bit": 0.1, "cuda": 0.05}
 
 
 def expected_tokens(acceptance: float, draft_len: int) -> float:
@@ -123,12 +127,19 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     if not options.adaptive or decoder.proposer is None:
         return None
     proposer, target = decoder.proposer, decoder.target
-    device = decoder.device.type
+    device = cost_key(decoder.device, next(target.parameters()).dtype)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)
     return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify, round_cost=per_round)
 
 
+def cost_key(device, dtype) -> str:
+    """The row of the cost tables for a target on `device` in `dtype`: the device type, and on CPU
+    "cpu-16bit" for 16-bit weights (a multi-token pass costs far less there than in float32)."""
+    kind = getattr(device, "type", str(device))
+    return "cpu-16bit" if kind == "cpu" and dtype in (torch.bfloat16, torch.float16) else kind
+
+
 def _given_or_device(given: float | None, per_device: dict[str, float], device: str) -> float:
-    """An option's value, or when unset the device type's (unknown devices: cpu's)."""
+    """An option's value, or when unset the device's (unknown devices: cpu's)."""
     return per_device.get(device, per_device["cpu"]) if given is None else given

@@ -32,10 +32,10 @@ class DecodeOptions:
     pays for, and backs off to plain decoding where its drafts are rejected (adaptive.py)."""
     verify_cost: float | None = None
     """(adaptive) What one more verified position costs the target's pass, relative to a one-token step;
-    None = the device type's (adaptive.VERIFY_COST)."""
+    None = the device's (adaptive.VERIFY_COST: by device type and, on CPU, weight width)."""
     round_cost: float | None = None
     """(adaptive) What a round that drafts at all costs beyond its per-token costs, relative to a one-token
-    step; None = the device type's (adaptive.ROUND_COST)."""
+    step; None = the device's (adaptive.ROUND_COST)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -2,6 +2,8 @@
 rejected, and no output changes (greedy equals the target's decoding; seeded rows repeat in any batch:
 test_engine.py runs its exactness tests with the policy on too)."""
 
+import copy
+
 import pytest
 
 from draftsmith.speculative import kinds
@@ -108,3 +110,21 @@ def test_a_per_round_cost_stops_short_drafts_that_do_not_pay_and_favours_long_on
     assert best_draft_len(0.45, 0.15, 4, round_cost=0.4) == 0  # a drafting round's own cost: it does not
     assert best_draft_len(0.8, 0.15, 4, round_cost=0.4) == 4  # well-accepted rows amortise it over D
     assert best_draft_len(0.8, 0.15, 1, round_cost=0.4) == 1
+
+
+def test_default_costs_follow_the_device_and_the_weight_width(target):
+    import torch
+
+    from draftsmith.speculative.adaptive import ROUND_COST, VERIFY_COST, adaptive_lengths, cost_key
+
+    assert cost_key(torch.device("cpu"), torch.float32) == "cpu"
+    assert cost_key(torch.device("cpu"), torch.bfloat16) == cost_key("cpu", torch.float16) == "cpu-16bit"
+    assert cost_key(torch.device("cuda", 0), torch.bfloat16) == "cuda"
+    options = DecodeOptions(draft_len=4, adaptive=True)
+    proposer = EarlyExitProposer(target, 1)
+    draft = kinds.of(proposer).draft_cost(proposer, target)
+    wide = adaptive_lengths(options, SpeculativeDecoder(target, proposer))
+    assert (wide.cost, wide.round_cost) == pytest.approx((draft + VERIFY_COST["cpu"], ROUND_COST["cpu"]))
+    narrow_target = copy.deepcopy(target).to(torch.bfloat16)
+    narrow = adaptive_lengths(options, SpeculativeDecoder(narrow_target, EarlyExitProposer(narrow_target, 1)))
+    assert narrow.round_cost == ROUND_COST["cpu-16bit"] < wide.round_cost and narrow.cost < wide.cost
