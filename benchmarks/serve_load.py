@@ -54,7 +54,7 @@ def start_server(args, drafter: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "draftsmith", "serve", "--port", str(port), "--host", "127.0.0.1",
                "--served-model-name", MODEL, "--max-batch", str(args.max_batch), "--draft-len", str(args.draft_len),
-               "--device", args.device, "--log-level", "warning", "--shutdown-timeout", "5"]
+               "--device", args.device, "--dtype", args.dtype, "--log-level", "warning", "--shutdown-timeout", "5"]
     command += ["--target", args.target] if args.target else []
     command += ["--drafter", drafter] if drafter != "none" else []
     command += ["--kv-budget", str(args.kv_budget)] if args.kv_budget else []
@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--kv-budget", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="as for draftsmith serve (auto: float32 on CPU)")
     parser.add_argument("--prompts-file", default="builtin:vicuna_bench")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
