@@ -1,7 +1,8 @@
 """What one more verified position costs the target's pass: the adaptive draft length's `verify_cost`.
 
     python benchmarks/verify_cost.py [--target SPEC] [--context 256] [--max-positions 9] [--batch-sizes 1,4]
-                                     [--reps 30] [--device cpu|cuda] [--json out.json]
+                                     [--reps 30] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+                                     [--json out.json]
 
 A verification pass feeds the last token and D draft tokens: D + 1 positions over a cache of `--context`
 tokens. For n = 1 .. `--max-positions` it times that pass through the runtime's own cache (KVState: the
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.loading import load_model
@@ -65,10 +67,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,4")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's weights")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target = load_model(args.target, device=device)
+    target = load_model(args.target, device=device, dtype=DTYPES[args.dtype])
     positions = list(range(1, args.max_positions + 1))
     rows = []
     # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
             relative = [seconds[n] / base for n in positions]
             rows.append({"batch": batch, "seconds": seconds, "relative": dict(zip(positions, relative)),
                          "verify_cost": slope(positions, relative)})
-    print(f"target {target.name} on {device} ({torch.get_num_threads()} threads), context {args.context}, "
+    print(f"target {target.name} on {device} in {args.dtype} ({torch.get_num_threads()} threads), context {args.context}, "
           f"median of {args.reps}")
     print(f"{'batch':>5s} " + " ".join(f"{'n=' + str(n):>6s}" for n in positions) + f" {'per position':>12s}")
     for r in rows:
