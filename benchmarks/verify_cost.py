@@ -19,39 +19,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from draftsmith.speculative.calibrate import time_passes
 from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.generate import SpeculativeDecoder
-from draftsmith.speculative.kv import KVState
 from draftsmith.speculative.loading import load_model
-
-
-def time_passes(model, batch: int, context: int, positions: list[int], reps: int, device) -> dict[int, float]:
-    """Median seconds of one pass of n positions over a `context`-token cache, per n."""
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    kv = KVState(model, batch, device)
-    prompt = torch.randint(0, vocab, (batch, context), generator=g).to(device)
-    kv.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
-    times: dict[int, list[float]] = {n: [] for n in positions}
-    for rep in range(reps + 2):  # the first two rounds warm up
-        for n in positions[rep % len(positions):] + positions[: rep % len(positions)]:
-            tokens = torch.randint(0, vocab, (batch, n), generator=g).to(device)
-            valid = torch.ones(batch, n, dtype=torch.bool, device=device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            kv.forward(tokens, valid)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if rep >= 2:
-                times[n].append(time.perf_counter() - t0)
-            kv.keep_last(torch.zeros(batch, n, dtype=torch.bool, device=device))
-    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -68,6 +43,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's weights")
+    parser.add_argument("--small-gemm", choices=["auto", "on", "off"], default=None,
+                        help="the few-row linear path (small_gemm.py); default: the runtime's ($DRAFTSMITH_SMALL_GEMM, else auto)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -75,7 +52,7 @@ def main(argv=None) -> int:
     positions = list(range(1, args.max_positions + 1))
     rows = []
     # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
-    with torch.inference_mode(), SpeculativeDecoder(target.model, None).fast_linears():
+    with torch.inference_mode(), SpeculativeDecoder(target.model, None, small_gemm=args.small_gemm).fast_linears():
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             seconds = time_passes(target.model, batch, args.context, positions, args.reps, device)
             base = seconds[1]

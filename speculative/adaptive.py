@@ -2,14 +2,21 @@
 
 A round that drafts d tokens for a row costs, relative to a plain decoding step of the target,
 
-    C(0) = 1,   C(d) = 1 + r + d * c  (d >= 1)     c = draft cost + verify cost per drafted token
+    C(0) = 1,   C(d) = P(d + 1) + r + d * c  (d >= 1)
 
-(the drafter's matmuls per drafted token over the target's, `DrafterKind.draft_cost`; and what one more
-position costs the target's verification pass, `verify_cost`, near 0 on a GPU at small batch, larger on
-a CPU, where a pass's cost grows with its tokens; `r`, `round_cost`, what a round that drafts at all
-costs beyond those: the drafter's first step and the verification of a multi-token pass over a one-token
-step. On SmolLM2-135M at batch 1 on one CPU thread, fixed D=4 rounds cost 2.0-2.05 plain steps in every
-prompt category, and adaptive rounds fit r about 0.4 beside c about 0.15: benchmarks/by_category.py).
+P(n) is what the target's pass over n positions costs against a one-token step, measured on this machine
+the first time (calibrate.py; remembered per processor, threads, dtype and model): it is the term no
+table gets right, since it depends on the hardware's matmul shapes (SmolLM2-135M in float32 at batch 1:
+P(3) = 2.0 on an AMD EPYC core through F.linear, 1.3 through the few-row path; on an Intel Xeon with AMX
+P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is the drafter's matmuls per drafted
+token over the target's (`DrafterKind.draft_cost`), `r` what a drafting round costs beyond those
+(ROUND_OVERHEAD: the drafter's first step over the accepted tokens, a round's bookkeeping).
+
+Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost`/`round_cost` are given, the pass is
+linear instead: C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the
+pass and `r`, `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight
+width: at batch 1 on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and
+adaptive rounds fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
 With a per-token acceptance probability a, it emits
 
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)
@@ -18,8 +25,8 @@ tokens, so the row drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain dec
 the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over its
 recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of `prior`
 worth `prior_weight` tokens. Each row learns from its own rounds only, so a row's lengths, like its
-tokens, do not depend on what else runs in the batch; they depend on nothing but its acceptance (never
-on timings), so a seeded sampled request repeats exactly. Verification stays exact whatever the lengths.
+tokens, do not depend on what else runs in the batch; they depend on nothing but its acceptance and the
+stored costs (never on the timing of its own rounds), so a seeded sampled request repeats exactly. Verification stays exact whatever the lengths.
 
 Back-off: a row whose estimate says no draft pays decodes plainly, and still tries one draft token after
 `wait` rounds to see whether its text has become predictable (a code block after prose, a quoted
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.speculative import kinds
+from draftsmith.speculative import calibrate, kinds
 
 MAX_WAIT = 32
 # What one more verified position costs the target's pass, relative to a one-token decoding step, per
@@ -43,6 +50,10 @@ VERIFY_COST = {"cpu": 0.1, "cpu-16bit": 0.02, "cuda": 0.02}
 # fitted as the module docstring says; the rest are not fitted here: small guesses, since there a
 # multi-token pass costs about what a one-token step does).
 ROUND_COST = {"cpu": 0.4, "cpu-16bit": 0.1, "cuda": 0.05}
+# With the target's passes measured on this machine (calibrate.py), what a drafting round costs beyond
+# its pass and the drafter's per-token cost: the drafter's first step over the accepted tokens, and the
+# bookkeeping of a speculative round over a plain step.
+ROUND_OVERHEAD = {"cpu": 0.1, "cpu-16bit": 0.1, "cuda": 0.05}
 
 
 def expected_tokens(acceptance: float, draft_len: int) -> float:
@@ -50,11 +61,22 @@ def expected_tokens(acceptance: float, draft_len: int) -> float:
     return sum(acceptance ** i for i in range(draft_len + 1))
 
 
-def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0) -> int:
+def pass_cost(pass_costs: list[float] | None, positions: int) -> float:
+    """A target pass over `positions` relative to a one-token step: measured (`pass_costs[n - 1]`, longer
+    passes growing in proportion to the longest measured), or 1 where the per-token cost holds it."""
+    if not pass_costs:
+        return 1.0
+    if positions <= len(pass_costs):
+        return pass_costs[positions - 1]
+    return pass_costs[-1] * positions / len(pass_costs)
+
+
+def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0,
+                   pass_costs: list[float] | None = None) -> int:
     """d* in 0..max_len maximising E(d) / C(d); the shortest on ties."""
     best, best_rate = 0, 1.0
     for d in range(1, max_len + 1):
-        rate = expected_tokens(acceptance, d) / (1.0 + round_cost + d * cost)
+        rate = expected_tokens(acceptance, d) / (pass_cost(pass_costs, d + 1) + round_cost + d * cost)
         if rate > best_rate + 1e-12:
             best, best_rate = d, rate
     return best
@@ -63,11 +85,12 @@ def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: flo
 class AdaptiveDraftLength:
     """Per-row acceptance estimates and draft lengths for a running batch (rows join and leave)."""
 
-    def __init__(self, cost: float, *, round_cost: float = 0.0, decay: float = 0.7, prior: float = 0.6,
-                 prior_weight: float = 1.0):
-        if cost < 0 or round_cost < 0:
-            raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round")
-        self.cost, self.round_cost = cost, round_cost
+    def __init__(self, cost: float, *, round_cost: float = 0.0, pass_costs: list[float] | None = None,
+                 decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0):
+        if cost < 0 or round_cost < 0 or any(c <= 0 for c in pass_costs or []):
+            raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
+                             f"(and passes > 0: {pass_costs})")
+        self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
         self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
         self.accepted: list[float] = []  # per row: decayed accepted draft tokens
         self.offered: list[float] = []  # per row: decayed offered ones (up to the first rejected)
@@ -99,7 +122,7 @@ class AdaptiveDraftLength:
                 out.append(0)
                 continue
             self.cap[b] = cap
-            d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost)
+            d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs)
             if d == 0:
                 if self.wait[b] > 0:
                     self.wait[b] -= 1
@@ -116,7 +139,8 @@ class AdaptiveDraftLength:
             self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
             self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
-            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost) == 0:
+            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost,
+                              self.pass_costs) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
             else:
                 self.wait[b], self.backoff[b] = 0, 1
@@ -128,9 +152,16 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
         return None
     proposer, target = decoder.proposer, decoder.target
     device = cost_key(decoder.device, next(target.parameters()).dtype)
+    draft = kinds.of(proposer).draft_cost(proposer, target)
+    if options.verify_cost is None and options.round_cost is None:
+        with decoder.fast_linears():  # the passes as the runtime runs them
+            measured = calibrate.pass_costs(target)
+        if measured is not None:
+            return AdaptiveDraftLength(draft, round_cost=ROUND_OVERHEAD.get(device, ROUND_OVERHEAD["cpu"]),
+                                       pass_costs=measured)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)
-    return AdaptiveDraftLength(kinds.of(proposer).draft_cost(proposer, target) + verify, round_cost=per_round)
+    return AdaptiveDraftLength(draft + verify, round_cost=per_round)
 
 
 def cost_key(device, dtype) -> str:

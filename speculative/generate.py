@@ -47,7 +47,7 @@ from draftsmith.speculative.options import DecodeOptions, Request
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
-from draftsmith.speculative.small_gemm import small_row_linears, wanted
+from draftsmith.speculative.small_gemm import resolve_mode, small_row_linears
 from draftsmith.speculative.tree import Leaves, take_leaves
 from draftsmith.speculative.verify import VerifyOutput, validate_verify_inputs
 
@@ -152,7 +152,7 @@ class SpeculativeDecoder:
         *,
         stop_token_ids: list[int] | tuple[int, ...] = (),
         verifier: Verifier | str | None = None,
-        small_gemm: bool | None = None,
+        small_gemm: bool | str | None = None,
         debug: bool | None = None,
     ):
         """`verifier`: a callable with verify_native's signature (given explicit noise from the
@@ -161,8 +161,9 @@ class SpeculativeDecoder:
         the DRAFTSMITH_VERIFIER environment variable, which chooses when none is given. A kernel
         draws its random numbers in the kernel (Philox, keyed by each request's seed).
 
-        `small_gemm`: compute linear layers over a few rows (verification passes) as W @ x.T, which
-        CPU BLAS libraries run far faster (see small_gemm.py); None = on for CPU devices.
+        `small_gemm`: compute linear layers over a few rows (verification passes) as W @ x.T where this
+        CPU runs that faster (see small_gemm.py): "auto" (measured per weight shape and row count), True
+        or "on" (always), False or "off"; None = $DRAFTSMITH_SMALL_GEMM, else auto on CPU, off elsewhere.
         `debug`: run the per-round checks in every round, not only the first of a call (None: the
         DRAFTSMITH_DEBUG environment variable)."""
         self.target = target
@@ -171,15 +172,16 @@ class SpeculativeDecoder:
         self.device = next(target.parameters()).device
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.small_gemm = wanted(self.device, next(target.parameters()).dtype) if small_gemm is None else small_gemm
+        self.small_gemm = resolve_mode(self.device, small_gemm)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
         """The context the runtime's forward passes run in (small_gemm.py), or a no-op."""
-        if not self.small_gemm:
+        if self.small_gemm == "off":
             return contextlib.nullcontext()
         kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
-        return small_row_linears(self.target, *(kind.modules(self.proposer) if kind is not None else []))
+        return small_row_linears(self.target, *(kind.modules(self.proposer) if kind is not None else []),
+                                 mode=self.small_gemm)
 
     @torch.inference_mode()
     def generate(

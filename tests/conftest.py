@@ -136,3 +136,15 @@ def dataset_repo(tmp_path_factory):
                for i in range(8)]
     pq.write_table(pa.table({"dialog": dialogs}), root / "chat" / "train-00000-of-00001.parquet")
     return root
+
+
+@pytest.fixture
+def machine_cache(tmp_path, monkeypatch):
+    """A fresh store of this machine's measured costs (calibrate.py), in memory and on disk: the file."""
+    from draftsmith.speculative import calibrate, small_gemm
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    monkeypatch.delenv("DRAFTSMITH_CALIBRATE", raising=False)
+    monkeypatch.setattr(calibrate, "_memory", {})
+    monkeypatch.setattr(small_gemm, "_chosen", {})
+    return tmp_path / "machine.json"

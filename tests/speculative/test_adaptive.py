@@ -112,11 +112,12 @@ def test_a_per_round_cost_stops_short_drafts_that_do_not_pay_and_favours_long_on
     assert best_draft_len(0.8, 0.15, 1, round_cost=0.4) == 1
 
 
-def test_default_costs_follow_the_device_and_the_weight_width(target):
+def test_without_calibration_the_default_costs_follow_the_device_and_the_weight_width(target, monkeypatch):
     import torch
 
     from draftsmith.speculative.adaptive import ROUND_COST, VERIFY_COST, adaptive_lengths, cost_key
 
+    monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
     assert cost_key(torch.device("cpu"), torch.float32) == "cpu"
     assert cost_key(torch.device("cpu"), torch.bfloat16) == cost_key("cpu", torch.float16) == "cpu-16bit"
     assert cost_key(torch.device("cuda", 0), torch.bfloat16) == "cuda"
@@ -124,7 +125,35 @@ def test_default_costs_follow_the_device_and_the_weight_width(target):
     proposer = EarlyExitProposer(target, 1)
     draft = kinds.of(proposer).draft_cost(proposer, target)
     wide = adaptive_lengths(options, SpeculativeDecoder(target, proposer))
-    assert (wide.cost, wide.round_cost) == pytest.approx((draft + VERIFY_COST["cpu"], ROUND_COST["cpu"]))
+    assert (wide.cost, wide.round_cost, wide.pass_costs) == pytest.approx((draft + VERIFY_COST["cpu"],
+                                                                         ROUND_COST["cpu"], None))
     narrow_target = copy.deepcopy(target).to(torch.bfloat16)
     narrow = adaptive_lengths(options, SpeculativeDecoder(narrow_target, EarlyExitProposer(narrow_target, 1)))
     assert narrow.round_cost == ROUND_COST["cpu-16bit"] < wide.round_cost and narrow.cost < wide.cost
+
+
+def test_a_step_in_the_measured_pass_cost_caps_the_drafts_below_it():
+    # An Intel Xeon with AMX in float32: passes over 2-3 positions cost a one-token step, 4-5 far more.
+    steps = [1.0, 1.05, 1.1, 1.6, 1.65]
+    assert best_draft_len(0.7, 0.05, 4, 0.1, steps) == 2
+    assert best_draft_len(0.7, 0.05, 4, 0.1, [1.0, 1.05, 1.1, 1.15, 1.2]) == 4  # no step: the longest
+    assert best_draft_len(0.2, 0.05, 4, 0.1, steps) == 0  # rejected drafts still do not pay
+    from draftsmith.speculative.adaptive import pass_cost
+
+    assert pass_cost(None, 7) == 1.0 and pass_cost(steps, 3) == 1.1
+    assert pass_cost(steps, 10) == pytest.approx(1.65 * 10 / 5)  # beyond the measured: in proportion
+
+
+def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machine_cache):
+    from draftsmith.speculative.adaptive import ROUND_COST, ROUND_OVERHEAD, adaptive_lengths
+
+    proposer = EarlyExitProposer(target, 1)
+    draft = kinds.of(proposer).draft_cost(proposer, target)
+    policy = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), SpeculativeDecoder(target, proposer))
+    assert policy.cost == pytest.approx(draft) and policy.round_cost == ROUND_OVERHEAD["cpu"]
+    assert len(policy.pass_costs) == 9 and policy.pass_costs[0] == 1.0 and all(c > 0 for c in policy.pass_costs)
+    assert "pass costs" in machine_cache.read_text()  # remembered for the next process
+    given = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
+                             SpeculativeDecoder(target, proposer))
+    assert given.pass_costs is None and given.round_cost == 0.2 and given.cost > draft
+    assert ROUND_COST["cpu"] != 0.2

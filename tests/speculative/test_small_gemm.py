@@ -66,12 +66,48 @@ def test_runtime_switch(target, random_drafter, small_gemm):
     assert other.generate([[1, 72, 105, 33, 40]], options=DecodeOptions(max_new_tokens=12, draft_len=3)).tokens == result.tokens
 
 
-def test_the_few_row_path_is_the_default_for_float32_on_cpu_only():
-    from draftsmith.speculative.small_gemm import wanted
+def test_the_path_is_measured_per_shape_and_row_count_on_cpu_and_remembered(machine_cache, monkeypatch):
+    from draftsmith.speculative import calibrate, small_gemm
+    from draftsmith.speculative.small_gemm import ALL_ROWS, choice, resolve_mode
+
+    assert resolve_mode("cpu") == "auto" and resolve_mode("cuda") == "off"
+    assert resolve_mode("cpu", True) == "on" and resolve_mode("cpu", False) == "off" and resolve_mode("cpu", "on") == "on"
+    monkeypatch.setenv("DRAFTSMITH_SMALL_GEMM", "off")
     from draftsmith.speculative.tiny import tiny_model
 
-    assert wanted("cpu") and wanted("cpu", torch.float32)
-    assert not wanted("cpu", torch.bfloat16) and not wanted("cpu", torch.float16)  # oneDNN's own path is faster
-    assert not wanted("cuda", torch.float32)
-    assert SpeculativeDecoder(tiny_model(0, num_layers=1)).small_gemm
-    assert not SpeculativeDecoder(tiny_model(0, num_layers=1).to(torch.bfloat16)).small_gemm
+    assert resolve_mode("cpu") == "off" and SpeculativeDecoder(tiny_model(0, num_layers=1)).small_gemm == "off"
+    monkeypatch.setenv("DRAFTSMITH_SMALL_GEMM", "sometimes")
+    with pytest.raises(ValueError, match="DRAFTSMITH_SMALL_GEMM"):
+        resolve_mode("cpu")
+    monkeypatch.delenv("DRAFTSMITH_SMALL_GEMM")
+
+    measured = []
+    monkeypatch.setattr(small_gemm, "measure", lambda w: measured.append(tuple(w.shape)) or frozenset({2, 5}))
+    layer = nn.Linear(64, 300)
+    assert choice(layer.weight) == {2, 5} and choice(nn.Linear(64, 300).weight) == {2, 5}
+    assert measured == [(300, 64)]  # once per shape
+    assert "(300, 64)" in machine_cache.read_text()
+    monkeypatch.setattr(small_gemm, "_chosen", {})
+    monkeypatch.setattr(calibrate, "_memory", {})  # a new process on the machine: reads, does not measure
+    assert choice(layer.weight) == {2, 5} and measured == [(300, 64)]
+    with small_row_linears(layer, mode="auto"):
+        assert layer._ds_rows == {2, 5}
+        seen = []
+        real = nn.functional.linear
+        monkeypatch.setattr(nn.functional, "linear", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+        for rows in (1, 2, 3, 5, 17):
+            x = torch.randn(rows, 64)
+            out = layer(x)
+            assert out.shape == (rows, 300)
+        assert seen == [1, 3, 17]  # F.linear only where W @ x.T was not measured faster
+        torch.testing.assert_close(layer(x[:5]), real(x[:5], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert "_ds_rows" not in vars(layer) and "forward" not in vars(layer)
+    monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")  # no calibration: the fixed choice
+    assert choice(nn.Linear(8, 8).weight) == ALL_ROWS and choice(nn.Linear(8, 8).to(torch.bfloat16).weight) == set()
+
+
+def test_a_real_measurement_gives_row_counts_in_range(machine_cache):
+    from draftsmith.speculative.small_gemm import ALL_ROWS, measure
+
+    rows = measure(nn.Linear(32, 64).weight, reps=2)
+    assert rows <= ALL_ROWS

@@ -1,0 +1,146 @@
+"""What this machine's passes cost, measured once and remembered: the runtime's speed choices rest on it.
+
+Two choices depend on the hardware so much that no table fits every machine (see small_gemm.py and
+adaptive.py): which matmul path a few-row linear layer takes, and what a target pass over n positions
+costs relative to a one-token step (the adaptive draft length's cost model). On an AMD EPYC core in
+float32, SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through F.linear; on an Intel Xeon
+with AMX, 1.1x, and 1.6x over 5 tokens. So they are measured on the machine that decodes, the first time
+they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
+version, thread count, dtype and what was measured. Later processes read the stored value instead of
+measuring, under a file lock, so every process on the machine makes the same choices: a seeded sampled
+request repeats exactly across processes, since its draft lengths depend only on its acceptance and these
+stored numbers. Delete the file to measure again; `DRAFTSMITH_CALIBRATE=0` uses the built-in tables
+instead of measuring (adaptive.py's VERIFY_COST and ROUND_COST; small_gemm's fixed choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from draftsmith.speculative.kv import KVState
+
+CALIBRATE_ENV = "DRAFTSMITH_CALIBRATE"
+CONTEXT = 128  # tokens in the cache a timed pass attends over
+MAX_POSITIONS = 9  # passes of 1..9 positions (D up to 8); longer ones are extrapolated
+REPS = 5  # timed passes per length (after two warm-up sweeps); the median counts
+
+_memory: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(CALIBRATE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def remembered(key: str, measure: Callable[[], object], device: torch.device | str = "cpu") -> object:
+    """The value stored for `key` on this machine's `device`, else `measure()`'s (stored for the next
+    process)."""
+    full = f"{device_name(device)}|torch {torch.__version__}|{torch.get_num_threads()} threads|{key}"
+    if full in _memory:
+        return _memory[full]
+    path = _path()
+    try:
+        from filelock import FileLock
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(path) + ".lock", timeout=600)
+    except OSError:  # a read-only home: measure for this process only
+        lock = None
+    with lock if lock is not None else contextlib.nullcontext():
+        stored = _read(path)
+        if full not in stored:
+            stored[full] = measure()
+            _write(path, stored)
+    _memory[full] = stored[full]
+    return stored[full]
+
+
+def pass_costs(model: torch.nn.Module) -> list[float] | None:
+    """Seconds of a target pass over n = 1..MAX_POSITIONS positions (batch 1, over a CONTEXT-token cache),
+    relative to n = 1: entry n - 1. None where calibration is off. Measured in the runtime's own linear
+    path context by the caller (generate.py), as its rounds run."""
+    if not enabled():
+        return None
+    param = next(model.parameters())
+    fingerprint = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    key = f"{str(param.dtype).removeprefix('torch.')}|pass costs|{type(model).__name__} {fingerprint}"
+
+    def measure() -> list[float]:
+        seconds = time_passes(model, 1, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
+        return [round(seconds[n] / seconds[1], 3) for n in range(1, MAX_POSITIONS + 1)]
+
+    return list(remembered(key, measure, param.device))
+
+
+@torch.inference_mode()
+def time_passes(model, batch: int, context: int, positions: list[int], reps: int, device) -> dict[int, float]:
+    """Median seconds of one pass of n positions over a `context`-token cache, per n (the n's interleaved;
+    each pass is rolled back, as a round whose drafts are all rejected)."""
+    device = torch.device(device)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    kv = KVState(model, batch, device)
+    prompt = torch.randint(0, vocab, (batch, context), generator=g).to(device)
+    kv.forward(prompt, torch.ones_like(prompt, dtype=torch.bool))
+    times: dict[int, list[float]] = {n: [] for n in positions}
+    for rep in range(reps + 2):  # the first two sweeps warm up
+        for n in positions[rep % len(positions):] + positions[: rep % len(positions)]:
+            tokens = torch.randint(0, vocab, (batch, n), generator=g).to(device)
+            valid = torch.ones(batch, n, dtype=torch.bool, device=device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kv.forward(tokens, valid)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep >= 2:
+                times[n].append(time.perf_counter() - t0)
+            kv.keep_last(torch.zeros(batch, n, dtype=torch.bool, device=device))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def device_name(device: torch.device | str = "cpu") -> str:
+    """The GPU's name for a CUDA device, else the processor's model name."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _path() -> Path:
+    from draftsmith.speculative.loading import default_cache_dir
+
+    return default_cache_dir() / "machine.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        stored = json.loads(path.read_text())
+        return stored if isinstance(stored, dict) else {}
+    except (OSError, ValueError):
+        return {}  # absent or unreadable: measure again (and rewrite it)
+
+
+def _write(path: Path, stored: dict) -> None:
+    try:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the values still hold for this process
+

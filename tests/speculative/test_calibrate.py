@@ -1,0 +1,55 @@
+"""The machine's measured costs (speculative/calibrate.py): measured once, remembered across processes,
+shared under a lock, and skipped when calibration is off."""
+
+import json
+import multiprocessing
+
+import pytest
+
+from draftsmith.speculative import calibrate
+
+
+def test_remembered_measures_once_and_later_processes_read_it(machine_cache):
+    calls = []
+    assert calibrate.remembered("k", lambda: calls.append(1) or [1.0, 2.0]) == [1.0, 2.0]
+    assert calibrate.remembered("k", lambda: calls.append(1) or [9.0]) == [1.0, 2.0] and len(calls) == 1
+    stored = json.loads(machine_cache.read_text())
+    (key,) = stored
+    assert key.endswith("|k") and calibrate.device_name() in key and "threads" in key
+    calibrate._memory.clear()  # another process: the file answers
+    assert calibrate.remembered("k", lambda: calls.append(1) or [9.0]) == [1.0, 2.0] and len(calls) == 1
+    machine_cache.write_text("{not json")  # a damaged file: measured again and rewritten
+    calibrate._memory.clear()
+    assert calibrate.remembered("k", lambda: [3.0]) == [3.0] and json.loads(machine_cache.read_text())
+
+
+def _measure_in_child(args):
+    cache, key = args
+    import os
+
+    os.environ["DRAFTSMITH_CACHE"] = cache
+    from draftsmith.speculative import calibrate as c
+
+    return c.remembered(key, lambda: [float(os.getpid())])
+
+
+def test_parallel_processes_agree_on_one_measurement(machine_cache):
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        answers = pool.map(_measure_in_child, [(str(machine_cache.parent), "race")] * 6)
+    assert len({tuple(a) for a in answers}) == 1  # one process measured; the others read its value
+
+
+def test_pass_costs_of_a_tiny_target(target, machine_cache, monkeypatch):
+    costs = calibrate.pass_costs(target)
+    assert len(costs) == calibrate.MAX_POSITIONS and costs[0] == 1.0 and all(c > 0 for c in costs)
+    assert calibrate.pass_costs(target) == costs
+    monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
+    assert calibrate.pass_costs(target) is None
+
+
+def test_an_unwritable_cache_still_measures(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(blocker / "sub"))  # under a file: cannot be created
+    monkeypatch.setattr(calibrate, "_memory", {})
+    assert calibrate.remembered("k", lambda: [4.0]) == [4.0]
