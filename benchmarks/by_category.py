@@ -23,6 +23,7 @@ the last line names the categories where a system is slower than plain.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -86,6 +87,11 @@ def main(argv=None) -> int:
     reference: dict[tuple[str, int], list[int]] = {}
     mismatches = defaultdict(int)
     with torch.inference_mode():
+        # Warm up every system once, untimed: the first decode on a machine also measures its passes
+        # (speculative/calibrate.py: the linear path and the adaptive policy's pass costs, a few seconds).
+        first = encode_prompt(target.tokenizer, next(iter(categories.values()))[0], chat=True)
+        for dec, options in systems.values():
+            dec.generate([first], options=dataclasses.replace(options, max_new_tokens=8))
         for rep in range(args.reps):
             turn = 0
             for category, prompts in categories.items():

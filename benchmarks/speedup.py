@@ -2,7 +2,7 @@
 
     python benchmarks/speedup.py [--drafter early-exit:10 | DIR | ngram] [--prompts N] [--reps 3]
                                  [--draft-lens 2,4] [--confidences 0,0.4] [--alternatives 0,3]
-                                 [--leaf-min-probs 0,0.1] [--json out.json]
+                                 [--leaf-min-probs 0,0.1] [--adaptive off|on|both] [--json out.json]
 
 Batch 1, greedy, 128 new tokens, chat prompts spread over the categories of vicuna_bench (shipped with
 draftsmith: `--prompts-file builtin:vicuna_bench`, the default; a file or hf:NAME[:CONFIG][@SPLIT] also
@@ -21,7 +21,12 @@ the median over repetitions of total tokens / total seconds:
 - `draftsmith D=k [c=x] A=a [m=p]`: with `--alternatives`, draftsmith also verifying the drafter's a
   runner-up tokens per draft position as sibling leaves in the same target pass (speculative/tree.py),
   with `--leaf-min-probs` only those the drafter gives an estimated chance >= p of being taken; Hugging
-  Face has no counterpart, so these rows have no hf twin.
+  Face has no counterpart, so these rows have no hf twin;
+- `draftsmith ... adaptive` (`--adaptive on|both`): under the adaptive draft length, as `draftsmith
+  generate` and `serve` decode by default (D the most a round drafts).
+
+Each draftsmith row decodes a few tokens untimed first: the first decode on a machine also measures its
+passes (speculative/calibrate.py).
 
 Hugging Face assisted generation needs a draft *model*; for Medusa heads, EAGLE drafters or n-gram lookup its rows are
 left out and the table compares draftsmith with plain decoding only.
@@ -33,6 +38,7 @@ hook. The outputs of every system are checked token for token against the baseli
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -93,13 +99,15 @@ def time_hf(model, prompts, max_new, assistant=None, draft_len=None, schedule="c
     return outputs, tokens / elapsed, tokens / max(passes, 1)
 
 
-def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, alternatives=0, min_prob=0.0):
+def time_draftsmith(decoder, prompts, max_new, draft_len, confidence=0.0, alternatives=0, min_prob=0.0,
+                    adaptive=False):
     outputs, tokens, rounds = [], 0, 0
+    options = DecodeOptions(max_new_tokens=max_new, draft_len=draft_len, draft_confidence=confidence,
+                            draft_alternatives=alternatives, leaf_min_prob=min_prob, adaptive=adaptive)
+    decoder.generate([prompts[0]], options=dataclasses.replace(options, max_new_tokens=4))  # untimed warm-up
     start = time.perf_counter()
     for ids in prompts:
-        result = decoder.generate([ids], options=DecodeOptions(max_new_tokens=max_new, draft_len=draft_len,
-                                                               draft_confidence=confidence,
-                                                               draft_alternatives=alternatives, leaf_min_prob=min_prob))
+        result = decoder.generate([ids], options=options)
         outputs.append(result.tokens[0])
         tokens += result.stats.new_tokens
         rounds += result.stats.rounds
@@ -122,6 +130,9 @@ def main(argv=None) -> int:
                         help="comma list of runner-up counts per draft position (0 = chain); draftsmith rows only")
     parser.add_argument("--leaf-min-probs", default="0",
                         help="comma list of leaf_min_prob values for the rows with alternatives")
+    parser.add_argument("--adaptive", choices=["off", "on", "both"], default="off",
+                        help="draftsmith rows with the adaptive draft length (the default of generate and serve: "
+                             "D the most drafted; rows labelled 'adaptive'), without it, or both")
     parser.add_argument("--no-heuristic", action="store_true", help="leave out HF's heuristic schedule")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="target and drafter weights (every row, the baseline included, runs in it)")
@@ -145,8 +156,11 @@ def main(argv=None) -> int:
     alternatives = [int(a) for a in args.alternatives.split(",")]
     min_probs = [float(m) for m in args.leaf_min_probs.split(",")]
 
-    def label(d, c, a=0, m=0.0):
-        return f"D={d}" + (f" c={c:g}" if c else "") + (f" A={a}" if a else "") + (f" m={m:g}" if a and m else "")
+    adaptives = {"off": [False], "on": [True], "both": [False, True]}[args.adaptive]
+
+    def label(d, c, a=0, m=0.0, adaptive=False):
+        return (f"D={d}" + (f" c={c:g}" if c else "") + (f" A={a}" if a else "") + (f" m={m:g}" if a and m else "")
+                + (" adaptive" if adaptive else ""))
 
     systems = {"hf generate": lambda: time_hf(target.model, prompts, args.max_new_tokens),
                "draftsmith plain": lambda: time_draftsmith(plain_decoder, prompts, args.max_new_tokens, 0)}
@@ -156,8 +170,9 @@ def main(argv=None) -> int:
                 target.model, prompts, args.max_new_tokens, assistant, d, confidence=c)
         for a in alternatives:
             for m in min_probs if a else [0.0]:
-                systems[f"draftsmith {label(d, c, a, m)}"] = lambda d=d, c=c, a=a, m=m: time_draftsmith(
-                    decoder, prompts, args.max_new_tokens, d, c, a, m)
+                for ad in adaptives:
+                    systems[f"draftsmith {label(d, c, a, m, ad)}"] = lambda d=d, c=c, a=a, m=m, ad=ad: time_draftsmith(
+                        decoder, prompts, args.max_new_tokens, d, c, a, m, ad)
     if assistant is not None and not args.no_heuristic:
         systems["hf assisted heuristic"] = lambda: time_hf(target.model, prompts, args.max_new_tokens, assistant,
                                                            schedule="heuristic")
@@ -189,7 +204,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['system']:26s} {r['tokens_per_s']:8.2f} {r['acceptance_length']:6.2f} "
               f"{r['speedup_vs_hf_generate']:7.2f}x {r['exact_outputs']:>7s}")
-    for d, c in settings if assistant is not None and 0 in alternatives else []:
+    for d, c in settings if assistant is not None and 0 in alternatives and False in adaptives else []:
         ours = next(r for r in rows if r["system"] == f"draftsmith {label(d, c)}")
         hf = next(r for r in rows if r["system"] == f"hf assisted {label(d, c)}")
         print(f"draftsmith / hf assisted at {label(d, c)}: {ours['tokens_per_s'] / hf['tokens_per_s']:.2f}x")

@@ -45,7 +45,9 @@ def add_adaptive_arg(p: argparse.ArgumentParser, default: bool) -> None:
                         + (" (on by default)" if default else ""))
     p.add_argument("--verify-cost", type=float, default=None,
                    help="with --adaptive-draft: what one more verified position costs the target's pass relative "
-                        "to a one-token step (default: 0.1 on CPU in float32, 0.02 in 16-bit or on CUDA)")
+                        "to a one-token step (default: the target's passes measured on this machine, once; "
+                        "with DRAFTSMITH_CALIBRATE=0, 0.1 on CPU in float32, 0.02 in 16-bit or on CUDA)")
     p.add_argument("--round-cost", type=float, default=None,
                    help="with --adaptive-draft: what a round that drafts at all costs beyond its per-token costs, "
-                        "relative to a one-token step (default: 0.4 on CPU in float32, 0.1 in 16-bit, 0.05 on CUDA)")
+                        "relative to a one-token step (default: 0.1 beside measured passes, 0.05 on CUDA; with "
+                        "DRAFTSMITH_CALIBRATE=0, 0.4 on CPU in float32, 0.1 in 16-bit)")

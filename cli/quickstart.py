@@ -173,7 +173,8 @@ def demo(target, drafter: str, draft_len: int) -> None:
     prompt = encode_prompt(target.tokenizer, DEMO_PROMPT, chat=True)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops).generate([prompt], options=DecodeOptions(max_new_tokens=64))
     decoder = SpeculativeDecoder(target.model, build_proposer(drafter, target), stop_token_ids=stops)
-    result = decoder.generate([prompt], options=DecodeOptions(max_new_tokens=64, draft_len=draft_len))
+    # As `draftsmith generate` decodes by default: up to D, the adaptive draft length.
+    result = decoder.generate([prompt], options=DecodeOptions(max_new_tokens=64, draft_len=draft_len, adaptive=True))
     # The text goes to stdout, its statistics to stderr, as in `draftsmith generate`.
     print(f"\n> {DEMO_PROMPT}\n{target.tokenizer.decode(result.tokens[0], skip_special_tokens=True)}\n", flush=True)
     same = "identical to" if result.tokens == plain.tokens else "DIFFERENT FROM"

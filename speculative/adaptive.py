@@ -12,8 +12,7 @@ P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is the drafter'
 token over the target's (`DrafterKind.draft_cost`), `r` what a drafting round costs beyond those
 (ROUND_OVERHEAD: the drafter's first step over the accepted tokens, a round's bookkeeping).
 
-Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost`/`round_cost` are given, the pass is
-linear instead: C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the
+Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead: C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the
 pass and `r`, `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight
 width: at batch 1 on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and
 adaptive rounds fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
@@ -153,12 +152,12 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     proposer, target = decoder.proposer, decoder.target
     device = cost_key(decoder.device, next(target.parameters()).dtype)
     draft = kinds.of(proposer).draft_cost(proposer, target)
-    if options.verify_cost is None and options.round_cost is None:
+    if options.verify_cost is None:
         with decoder.fast_linears():  # the passes as the runtime runs them
             measured = calibrate.pass_costs(target)
         if measured is not None:
-            return AdaptiveDraftLength(draft, round_cost=ROUND_OVERHEAD.get(device, ROUND_OVERHEAD["cpu"]),
-                                       pass_costs=measured)
+            overhead = _given_or_device(options.round_cost, ROUND_OVERHEAD, device)
+            return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=measured)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)
     return AdaptiveDraftLength(draft + verify, round_cost=per_round)

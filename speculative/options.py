@@ -31,11 +31,12 @@ class DecodeOptions:
     """Adaptive draft length: each row drafts, up to D, as many tokens as its own observed acceptance
     pays for, and backs off to plain decoding where its drafts are rejected (adaptive.py)."""
     verify_cost: float | None = None
-    """(adaptive) What one more verified position costs the target's pass, relative to a one-token step;
-    None = the device's (adaptive.VERIFY_COST: by device type and, on CPU, weight width)."""
+    """(adaptive) What one more verified position costs the target's pass, relative to a one-token step.
+    None = the pass costs measured on this machine (calibrate.py), or where
+    calibration is off the device's (adaptive.VERIFY_COST: by device type and, on CPU, weight width)."""
     round_cost: float | None = None
     """(adaptive) What a round that drafts at all costs beyond its per-token costs, relative to a one-token
-    step; None = the device's (adaptive.ROUND_COST)."""
+    step; None = the device's adaptive.ROUND_OVERHEAD beside measured passes, else adaptive.ROUND_COST."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -153,7 +153,10 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
     assert policy.cost == pytest.approx(draft) and policy.round_cost == ROUND_OVERHEAD["cpu"]
     assert len(policy.pass_costs) == 9 and policy.pass_costs[0] == 1.0 and all(c > 0 for c in policy.pass_costs)
     assert "pass costs" in machine_cache.read_text()  # remembered for the next process
-    given = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
-                             SpeculativeDecoder(target, proposer))
-    assert given.pass_costs is None and given.round_cost == 0.2 and given.cost > draft
-    assert ROUND_COST["cpu"] != 0.2
+    overhead = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
+                                SpeculativeDecoder(target, proposer))
+    assert overhead.pass_costs == policy.pass_costs and overhead.round_cost == 0.2  # measured passes stay
+    linear = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, verify_cost=0.3),
+                              SpeculativeDecoder(target, proposer))
+    assert linear.pass_costs is None and linear.cost == pytest.approx(draft + 0.3)
+    assert linear.round_cost == ROUND_COST["cpu"]
