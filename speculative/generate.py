@@ -173,6 +173,9 @@ class SpeculativeDecoder:
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
+        if self.small_gemm == "auto":
+            with self.fast_linears():  # the path's choices are made (measured, on a new machine) here, not mid-request
+                pass
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from draftsmith.speculative import calibrate
+from draftsmith.speculative.errors import InvalidInputError
 
 MAX_ROWS = 16  # above this many rows the BLAS's own choice is as fast or faster (measured on the lm_head)
 MODE_ENV = "DRAFTSMITH_SMALL_GEMM"
@@ -90,7 +91,7 @@ def resolve_mode(device: torch.device | str, small_gemm: bool | str | None = Non
         return "on" if small_gemm else "off"
     mode = small_gemm or os.environ.get(MODE_ENV, "").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+        raise InvalidInputError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
     return "off" if mode == "auto" and torch.device(device).type != "cpu" else mode
 
 

@@ -77,7 +77,9 @@ def test_the_path_is_measured_per_shape_and_row_count_on_cpu_and_remembered(mach
 
     assert resolve_mode("cpu") == "off" and SpeculativeDecoder(tiny_model(0, num_layers=1)).small_gemm == "off"
     monkeypatch.setenv("DRAFTSMITH_SMALL_GEMM", "sometimes")
-    with pytest.raises(ValueError, match="DRAFTSMITH_SMALL_GEMM"):
+    from draftsmith.speculative.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="DRAFTSMITH_SMALL_GEMM"):
         resolve_mode("cpu")
     monkeypatch.delenv("DRAFTSMITH_SMALL_GEMM")
 
