@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from draftsmith.speculative import kinds
+from draftsmith.speculative import calibrate, kinds
 from draftsmith.speculative.adaptive import adaptive_lengths
 from draftsmith.speculative.errors import InvalidInputError, NumericalError
 from draftsmith.speculative.kernels import RoundNoise, make_verifier
@@ -173,9 +173,12 @@ class SpeculativeDecoder:
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
-        if self.small_gemm == "auto":
-            with self.fast_linears():  # the path's choices are made (measured, on a new machine) here, not mid-request
-                pass
+        if self.small_gemm == "auto" or proposer is not None:
+            # What this machine's passes cost is measured (on a new machine) or read here, not in a timed request:
+            # the linear path's choices, and with a drafter the adaptive draft length's pass costs.
+            with self.fast_linears():
+                if proposer is not None:
+                    calibrate.pass_costs(target)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
