@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.speculative import calibrate, kinds
+from draftsmith.speculative import kinds
 
 MAX_WAIT = 32
 # What one more verified position costs the target's pass, relative to a one-token decoding step, per
@@ -152,12 +152,9 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     proposer, target = decoder.proposer, decoder.target
     device = cost_key(decoder.device, next(target.parameters()).dtype)
     draft = kinds.of(proposer).draft_cost(proposer, target)
-    if options.verify_cost is None:
-        with decoder.fast_linears():  # the passes as the runtime runs them
-            measured = calibrate.pass_costs(target)
-        if measured is not None:
-            overhead = _given_or_device(options.round_cost, ROUND_OVERHEAD, device)
-            return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=measured)
+    if options.verify_cost is None and decoder.pass_costs is not None:  # measured when the decoder was built
+        overhead = _given_or_device(options.round_cost, ROUND_OVERHEAD, device)
+        return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=decoder.pass_costs)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)
     return AdaptiveDraftLength(draft + verify, round_cost=per_round)

@@ -16,6 +16,7 @@ instead of measuring (adaptive.py's VERIFY_COST and ROUND_COST; small_gemm's fix
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from draftsmith.speculative.fileio import atomic_write_json
 from draftsmith.speculative.kv import KVState
 
 CALIBRATE_ENV = "DRAFTSMITH_CALIBRATE"
@@ -66,8 +68,8 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
 
 def pass_costs(model: torch.nn.Module) -> list[float] | None:
     """Seconds of a target pass over n = 1..MAX_POSITIONS positions (batch 1, over a CONTEXT-token cache),
-    relative to n = 1: entry n - 1. None where calibration is off. Measured in the runtime's own linear
-    path context by the caller (generate.py), as its rounds run."""
+    relative to n = 1: entry n - 1. None where calibration is off. The caller (the decoder, once when it is
+    built) measures in the runtime's own linear-path context, as its rounds run."""
     if not enabled():
         return None
     param = next(model.parameters())
@@ -113,6 +115,11 @@ def device_name(device: torch.device | str = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    return _cpu_name()
+
+
+@functools.cache
+def _cpu_name() -> str:  # read once per process: every lookup of a stored value names the machine
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -138,9 +145,6 @@ def _read(path: Path) -> dict:
 
 def _write(path: Path, stored: dict) -> None:
     try:
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        atomic_write_json(path, stored, sort_keys=True)
     except OSError:
         pass  # the values still hold for this process
-

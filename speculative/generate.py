@@ -173,12 +173,14 @@ class SpeculativeDecoder:
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
+        # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
+        # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
+        # (None where calibration is off), which every run of this decoder then reads.
+        self.pass_costs: list[float] | None = None
         if self.small_gemm == "auto" or proposer is not None:
-            # What this machine's passes cost is measured (on a new machine) or read here, not in a timed request:
-            # the linear path's choices, and with a drafter the adaptive draft length's pass costs.
             with self.fast_linears():
                 if proposer is not None:
-                    calibrate.pass_costs(target)
+                    self.pass_costs = calibrate.pass_costs(target)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
