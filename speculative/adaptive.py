@@ -20,12 +20,20 @@ With a per-token acceptance probability a, it emits
 
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)
 
-tokens, so the row drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain decoding, is worth 1). `a` is
-the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over its
-recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of `prior`
-worth `prior_weight` tokens. Each row learns from its own rounds only, so a row's lengths, like its
-tokens, do not depend on what else runs in the batch; they depend on nothing but its acceptance and the
-stored costs (never on the timing of its own rounds), so a seeded sampled request repeats exactly. Verification stays exact whatever the lengths.
+tokens, so a row alone drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain decoding, is worth 1).
+`a` is the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over
+its recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of
+`prior` worth `prior_weight` tokens; each row learns from its own rounds only.
+
+In a running batch of B rows the round is one pass as wide as the longest draft, and its cost against B
+one-token rows, P_B(n), grows with B (SmolLM2 in float32 on the Intel Xeon: 4 rows of 3 positions cost
+more than 1.1 four-row steps), so with measured passes the batch's greedy rows draft one common length,
+the one that emits the most tokens over all rows per unit of the round's cost at B (`lengths`): a fuller
+batch drafts less, and from some size on not at all. Greedy tokens do not depend on draft lengths. A
+sampled row's do (its random draws follow its rounds), so sampled rows are priced as if alone, at B = 1:
+their lengths depend on nothing but their own acceptance and the stored costs (never on the batch or on
+the timing of rounds), and a seeded sampled request repeats exactly whatever runs beside it.
+Verification stays exact whatever the lengths.
 
 Back-off: a row whose estimate says no draft pays decodes plainly, and still tries one draft token after
 `wait` rounds to see whether its text has become predictable (a code block after prose, a quoted
@@ -60,14 +68,28 @@ def expected_tokens(acceptance: float, draft_len: int) -> float:
     return sum(acceptance ** i for i in range(draft_len + 1))
 
 
-def pass_cost(pass_costs: list[float] | None, positions: int) -> float:
-    """A target pass over `positions` relative to a one-token step: measured (`pass_costs[n - 1]`, longer
-    passes growing in proportion to the longest measured), or 1 where the per-token cost holds it."""
+def pass_cost(pass_costs: dict[int, list[float]] | list[float] | None, positions: int, batch: int = 1) -> float:
+    """A target pass over `positions` per row of a `batch`-row batch, relative to that batch's one-token
+    step: measured (`pass_costs[batch][n - 1]`; a batch between two measured sizes interpolated, beyond the
+    largest its costs; longer passes growing in proportion to the longest measured), or 1 where the
+    per-token cost holds it. A plain list is batch 1's."""
     if not pass_costs:
         return 1.0
-    if positions <= len(pass_costs):
-        return pass_costs[positions - 1]
-    return pass_costs[-1] * positions / len(pass_costs)
+    if isinstance(pass_costs, list):
+        pass_costs = {1: pass_costs}
+    sizes = sorted(pass_costs)
+    below = max((s for s in sizes if s <= batch), default=sizes[0])
+    above = min((s for s in sizes if s >= batch), default=sizes[-1])
+    low, high = _positions_cost(pass_costs[below], positions), _positions_cost(pass_costs[above], positions)
+    if above == below:
+        return low
+    return low + (high - low) * (batch - below) / (above - below)
+
+
+def _positions_cost(costs: list[float], positions: int) -> float:
+    if positions <= len(costs):
+        return costs[positions - 1]
+    return costs[-1] * positions / len(costs)
 
 
 def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0,
@@ -84,9 +106,12 @@ def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: flo
 class AdaptiveDraftLength:
     """Per-row acceptance estimates and draft lengths for a running batch (rows join and leave)."""
 
-    def __init__(self, cost: float, *, round_cost: float = 0.0, pass_costs: list[float] | None = None,
+    def __init__(self, cost: float, *, round_cost: float = 0.0,
+                 pass_costs: dict[int, list[float]] | list[float] | None = None,
                  decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0):
-        if cost < 0 or round_cost < 0 or any(c <= 0 for c in pass_costs or []):
+        if isinstance(pass_costs, list):
+            pass_costs = {1: pass_costs}
+        if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):
             raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
                              f"(and passes > 0: {pass_costs})")
         self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
@@ -96,17 +121,20 @@ class AdaptiveDraftLength:
         self.wait: list[int] = []  # per row: plain rounds left before the next probe
         self.backoff: list[int] = []  # per row: the wait after the next failed probe
         self.cap: list[int] = []  # per row: its latest most draft tokens (D, within its budget)
+        self.alone: list[bool] = []  # per row: its lengths must not depend on the batch (sampled rows)
 
-    def add_rows(self, n: int) -> None:
+    def add_rows(self, n: int, alone: list[bool] | None = None) -> None:
+        """`n` rows join; `alone[i]`: row i is priced as if it ran alone (see `lengths`)."""
         self.accepted += [0.0] * n
         self.offered += [0.0] * n
         self.wait += [0] * n
         self.backoff += [1] * n
         self.cap += [1] * n
+        self.alone += list(alone) if alone is not None else [False] * n
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows, in this order (the others left the batch)."""
-        for name in ("accepted", "offered", "wait", "backoff", "cap"):
+        for name in ("accepted", "offered", "wait", "backoff", "cap", "alone"):
             values = getattr(self, name)
             setattr(self, name, [values[b] for b in rows])
 
@@ -114,21 +142,52 @@ class AdaptiveDraftLength:
         return (self.accepted[b] + self.prior * self.prior_weight) / (self.offered[b] + self.prior_weight)
 
     def lengths(self, max_lens: list[int]) -> list[int]:
-        """This round's draft length per row, within `max_lens` (each row's D and budget)."""
-        out = []
-        for b, cap in enumerate(max_lens):
-            if cap <= 0:
-                out.append(0)
-                continue
-            self.cap[b] = cap
-            d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs)
-            if d == 0:
-                if self.wait[b] > 0:
-                    self.wait[b] -= 1
-                else:
-                    d = 1  # a probe
-            out.append(d)
-        return out
+        """This round's draft length per row, within `max_lens` (each row's D and budget).
+
+        Rows priced alone (sampled rows: a seeded one must repeat exactly whatever runs beside it) draft
+        what pays for a batch of one. The others share the round: the batch's verification pass is as wide
+        as its longest draft, so with measured passes they draft one common length m (each within its
+        cap), the m that emits the most tokens over all rows per unit of the round's cost at the running
+        batch's size, C = P_B(w + 1) + r + w * c for the widest draft w (1 for w = 0). A pass over B rows
+        of n positions costs more against B one-token rows than one row's does, so a fuller batch drafts
+        less, and from some size not at all. Greedy rows emit the same tokens whatever they draft."""
+        lens = [self._alone_length(b, cap) if self.alone[b] or self.pass_costs is None else 0
+                for b, cap in enumerate(max_lens)]
+        shared = [b for b, cap in enumerate(max_lens) if cap > 0 and not self.alone[b] and self.pass_costs]
+        if not shared:
+            return lens
+        for b in shared:
+            self.cap[b] = max_lens[b]
+        batch, fixed, sharing = len(max_lens), max(lens), set(shared)
+        best, best_rate = 0, None
+        for m in range(max(max_lens[b] for b in shared) + 1):
+            tokens = sum(expected_tokens(self.acceptance(b), min(m, max_lens[b]) if b in sharing else lens[b])
+                         for b in range(batch))
+            width = max(m, fixed)
+            cost = 1.0 if width == 0 else pass_cost(self.pass_costs, width + 1, batch) + self.round_cost + width * self.cost
+            if best_rate is None or tokens / cost > best_rate + 1e-12:
+                best, best_rate = m, tokens / cost
+        for b in shared:
+            if best > 0:
+                lens[b] = min(best, max_lens[b])
+            elif best_draft_len(self.acceptance(b), self.cost, max_lens[b], self.round_cost, self.pass_costs) == 0:
+                lens[b] = self._probe(b)  # backed off: its own drafts do not pay even alone
+        return lens
+
+    def _alone_length(self, b: int, cap: int) -> int:
+        """A row's length priced as if it ran alone: what pays at batch 1, else a probe when one is due."""
+        if cap <= 0:
+            return 0
+        self.cap[b] = cap
+        d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs)
+        return d if d > 0 else self._probe(b)
+
+    def _probe(self, b: int) -> int:
+        """A backed-off row drafts one token once its wait is over (else counts the wait down)."""
+        if self.wait[b] > 0:
+            self.wait[b] -= 1
+            return 0
+        return 1
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """A round's outcome: per row the draft tokens offered and how many were accepted."""

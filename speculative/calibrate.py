@@ -34,6 +34,7 @@ from draftsmith.speculative.kv import KVState
 CALIBRATE_ENV = "DRAFTSMITH_CALIBRATE"
 CONTEXT = 128  # tokens in the cache a timed pass attends over
 MAX_POSITIONS = 9  # passes of 1..9 positions (D up to 8); longer ones are extrapolated
+BATCH_SIZES = (1, 2, 4, 8, 16)  # running batches whose passes are measured; others are interpolated
 REPS = 5  # timed passes per length (after two warm-up sweeps); the median counts
 
 _memory: dict[str, object] = {}
@@ -66,21 +67,31 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
     return stored[full]
 
 
-def pass_costs(model: torch.nn.Module) -> list[float] | None:
-    """Seconds of a target pass over n = 1..MAX_POSITIONS positions (batch 1, over a CONTEXT-token cache),
-    relative to n = 1: entry n - 1. None where calibration is off. The caller (the decoder, once when it is
-    built) measures in the runtime's own linear-path context, as its rounds run."""
+def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
+    """Seconds of a target pass over n = 1..MAX_POSITIONS positions per row of a `batch`-row batch (over a
+    CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1. None where calibration
+    is off. The caller (the decoder, once when it is built) measures in the runtime's own linear-path
+    context, as its rounds run."""
     if not enabled():
         return None
     param = next(model.parameters())
     fingerprint = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
-    key = f"{str(param.dtype).removeprefix('torch.')}|pass costs|{type(model).__name__} {fingerprint}"
+    rows = "" if batch == 1 else f"|batch {batch}"  # batch 1 keeps the key it was first stored under
+    key = f"{str(param.dtype).removeprefix('torch.')}|pass costs{rows}|{type(model).__name__} {fingerprint}"
 
     def measure() -> list[float]:
-        seconds = time_passes(model, 1, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
+        seconds = time_passes(model, batch, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
         return [round(seconds[n] / seconds[1], 3) for n in range(1, MAX_POSITIONS + 1)]
 
     return list(remembered(key, measure, param.device))
+
+
+def batch_pass_costs(model: torch.nn.Module) -> dict[int, list[float]] | None:
+    """`pass_costs` for each of BATCH_SIZES (a running batch's round is priced at its own size: a pass
+    over 4 rows of 3 positions costs more, against 4 one-token rows, than one row's does), or None."""
+    if not enabled():
+        return None
+    return {batch: pass_costs(model, batch) for batch in BATCH_SIZES}
 
 
 @torch.inference_mode()

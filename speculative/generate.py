@@ -176,11 +176,11 @@ class SpeculativeDecoder:
         # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
-        self.pass_costs: list[float] | None = None
+        self.pass_costs: dict[int, list[float]] | None = None
         if self.small_gemm == "auto" or proposer is not None:
             with self.fast_linears():
                 if proposer is not None:
-                    self.pass_costs = calibrate.pass_costs(target)
+                    self.pass_costs = calibrate.batch_pass_costs(target)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
@@ -326,7 +326,7 @@ class _Run:
         self.history += history
         self.hidden_ready += [False] * len(requests)
         if self.adaptive is not None:
-            self.adaptive.add_rows(len(requests))
+            self.adaptive.add_rows(len(requests), alone=[not r.sampling.greedy for r in requests])
         for i in ids:
             self.outputs[i], self.finish_reasons[i] = [], "length"
 

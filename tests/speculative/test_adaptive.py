@@ -151,7 +151,9 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
     draft = kinds.of(proposer).draft_cost(proposer, target)
     policy = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), SpeculativeDecoder(target, proposer))
     assert policy.cost == pytest.approx(draft) and policy.round_cost == ROUND_OVERHEAD["cpu"]
-    assert len(policy.pass_costs) == 9 and policy.pass_costs[0] == 1.0 and all(c > 0 for c in policy.pass_costs)
+    assert sorted(policy.pass_costs) == [1, 2, 4, 8, 16]  # per running batch size
+    for costs in policy.pass_costs.values():
+        assert len(costs) == 9 and costs[0] == 1.0 and all(c > 0 for c in costs)
     assert "pass costs" in machine_cache.read_text()  # remembered for the next process
     overhead = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
                                 SpeculativeDecoder(target, proposer))
@@ -160,3 +162,61 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
                               SpeculativeDecoder(target, proposer))
     assert linear.pass_costs is None and linear.cost == pytest.approx(draft + 0.3)
     assert linear.round_cost == ROUND_COST["cpu"]
+
+
+# Passes measured per running batch size (Intel Xeon with AMX, float32, shaped after the measured ones):
+# one row's 3-position pass costs 1.1 steps; four rows' cost 1.5 four-row steps; eight rows' 2.
+BATCH_COSTS = {1: [1.0, 1.05, 1.1, 1.6, 1.65], 4: [1.0, 1.3, 1.5, 2.2, 2.5], 8: [1.0, 1.6, 2.0, 3.0, 3.6]}
+
+
+def test_a_batch_pass_is_priced_at_its_size_between_and_beyond_the_measured_ones():
+    from draftsmith.speculative.adaptive import pass_cost
+
+    assert pass_cost(BATCH_COSTS, 3, 1) == 1.1 and pass_cost(BATCH_COSTS, 3, 4) == 1.5
+    assert pass_cost(BATCH_COSTS, 3, 6) == pytest.approx(1.75)  # halfway between 4 and 8 rows
+    assert pass_cost(BATCH_COSTS, 3, 32) == 2.0  # beyond the largest measured batch: its costs
+    assert pass_cost(BATCH_COSTS, 10, 4) == pytest.approx(2.5 * 10 / 5)
+    assert pass_cost(BATCH_COSTS[1], 3) == pass_cost(BATCH_COSTS, 3)  # a list is batch 1's
+
+
+def shared_policy(rows, alone=None, acceptance=0.7):
+    policy = AdaptiveDraftLength(0.05, round_cost=0.1, pass_costs=BATCH_COSTS)
+    policy.add_rows(rows, alone)
+    for _ in range(12):  # each row has seen its drafts accepted at about `acceptance`
+        for b in range(rows):
+            policy.accepted[b] = policy.decay * policy.accepted[b] + acceptance * 2
+            policy.offered[b] = policy.decay * policy.offered[b] + 2
+    return policy
+
+
+def test_a_fuller_batch_drafts_less_and_from_some_size_not_at_all():
+    alone = shared_policy(1).lengths([4])
+    assert alone == [best_draft_len(0.7, 0.05, 4, 0.1, BATCH_COSTS)] == [2]  # batch 1: as a row alone
+    four = shared_policy(4).lengths([4] * 4)
+    assert len(set(four)) == 1 and 0 < four[0] <= 2  # one common length, no longer than alone
+    assert shared_policy(8).lengths([4] * 8) == [0] * 8  # an 8-row pass over 2 positions costs 1.6 steps
+    # A row with a smaller cap drafts within it; rows with no room (cap 0) draft nothing.
+    # (A capped row gains less from a longer pass, so the common length may shrink.)
+    m = shared_policy(3).lengths([4, 4, 4])[0]
+    capped = shared_policy(3).lengths([4, 1, 0])
+    assert m == 2 and capped == [1, 1, 0]
+
+
+def test_the_common_length_follows_the_rows_acceptance_and_backed_off_rows_still_probe():
+    assert shared_policy(4).lengths([4] * 4) == [2] * 4
+    middling = shared_policy(4, acceptance=0.4)  # its drafts pay alone, not in a pass over 4 rows
+    assert best_draft_len(0.4, 0.05, 4, 0.1, BATCH_COSTS) > 0 and middling.lengths([4] * 4) == [0] * 4
+    assert middling.wait == [0] * 4  # not backed off: no probes, it drafts again when the batch thins
+    middling.select([0])  # the others leave: alone, the row drafts again
+    assert middling.lengths([4])[0] > 0
+    rejected = shared_policy(4, acceptance=0.0)
+    assert rejected.lengths([4] * 4) == [1] * 4  # backed off, their waits over: each probes once
+    rejected.observe([1] * 4, [0] * 4)
+    assert rejected.lengths([4] * 4) == [0] * 4 and rejected.wait == [0] * 4  # then wait (1 round)
+
+
+def test_sampled_rows_are_priced_alone_whatever_runs_beside_them():
+    lens = shared_policy(8, alone=[True] + [False] * 7).lengths([4] * 8)
+    assert lens[0] == 2  # the sampled row drafts what pays at batch 1, as in any batch
+    assert len(set(lens[1:])) == 1  # the greedy rows share one length, given the pass it opened
+    assert shared_policy(1, alone=[True]).lengths([4]) == [2]
