@@ -112,8 +112,11 @@ class KVState:
         caches are copied once."""
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            like = next((t for t in (_keys(mine), _keys(theirs)) if t is not None), None)
-            if like is None:  # no slot in either batch yet
+            # A layer that held slots and lost them all (every row rolled back or left) still has keys
+            # shaped for the old batch: it is rebuilt at the new batch size, zero slots wide.
+            like = next((t for t in (_keys(mine), _keys(theirs), _keys(mine, empty=True), _keys(theirs, empty=True))
+                         if t is not None), None)
+            if like is None:  # neither layer made yet: its first update makes it at the batch's size
                 continue
             if not mine.is_initialized:
                 mine.lazy_initialization(like, like)
@@ -158,10 +161,10 @@ class KVState:
         self._checked_layout = True
 
 
-def _keys(layer) -> torch.Tensor | None:
-    """A cache layer's keys [B, H, L, d] when it holds any slot, else None."""
+def _keys(layer, *, empty: bool = False) -> torch.Tensor | None:
+    """A cache layer's keys [B, H, L, d] when it holds any slot (with `empty`, also none), else None."""
     keys = getattr(layer, "keys", None) if layer.is_initialized else None
-    return keys if keys is not None and keys.dim() == 4 and keys.shape[2] > 0 else None
+    return keys if keys is not None and keys.dim() == 4 and (empty or keys.shape[2] > 0) else None
 
 
 def _widened(x: torch.Tensor | None, batch: int, width: int, like: torch.Tensor | None = None) -> torch.Tensor:

@@ -171,3 +171,19 @@ def test_compaction_packs_the_valid_slots_in_order(model, monkeypatch):
             assert_row_is_fresh(model, state, row, kept[row])
     assert compactions >= 1
     assert_next_logits_are_fresh(model, state, kept, [60, 61, 62])
+
+
+@torch.no_grad()
+def test_rows_join_a_cache_that_lost_every_slot(model):
+    """A drafter's cache where the only rows with slots leave and the rest hold none (rows that joined
+    while the batch decoded plainly: nothing fed yet) is trimmed to zero slots, its layers still shaped
+    for the old batch; when another row joins, the next forward runs at the new batch size."""
+    state = prefilled(model, [[1, 2, 3], [4, 5]])
+    state.keep_last(torch.tensor([[True] * 3, [False] * 3]))  # row 1 holds no slot
+    state.select_rows(torch.tensor([1]))  # row 0 leaves: zero slots wide
+    state.append_rows(KVState(model, 1, "cpu"))  # a new row, nothing prefilled yet
+    assert state.batch_size == 2
+    assert all(layer.keys.shape[0] == 2 for layer in state.cache.layers if layer.is_initialized)
+    logits = state.forward(*left_padded([[6, 7], [8]])).logits
+    for row, tokens in enumerate([[6, 7], [8]]):
+        torch.testing.assert_close(logits[row, -1], fresh(model, tokens)[1][-1], **LOGITS_TOL)
