@@ -2,9 +2,11 @@
 
 Two choices depend on the hardware so much that no table fits every machine (see small_gemm.py and
 adaptive.py): which matmul path a few-row linear layer takes, and what a target pass over n positions
-costs relative to a one-token step (the adaptive draft length's cost model). On an AMD EPYC core in
-float32, SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through F.linear; on an Intel Xeon
-with AMX, 1.1x, and 1.6x over 5 tokens. So they are measured on the machine that decodes, the first time
+costs relative to a one-token step (the adaptive draft length's cost model), for each running batch
+size (BATCH_SIZES) since a round covers every row's drafts. On an AMD EPYC core in float32,
+SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through F.linear; on an Intel Xeon with AMX,
+1.1x at batch 1 and 1.5x at batch 2 (2 rows of 3 positions against 2 one-token rows), and 1.6x over 5
+tokens at batch 1. So they are measured on the machine that decodes, the first time
 they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
 version, thread count, dtype and what was measured. Later processes read the stored value instead of
 measuring, under a file lock, so every process on the machine makes the same choices: a seeded sampled
@@ -69,8 +71,8 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
 
 def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
     """Seconds of a target pass over n = 1..MAX_POSITIONS positions per row of a `batch`-row batch (over a
-    CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1. None where calibration
-    is off. The caller (the decoder, once when it is built) measures in the runtime's own linear-path
+    CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1, made non-decreasing
+    (`monotone`). None where calibration is off. The caller (the decoder, once when it is built) measures in the runtime's own linear-path
     context, as its rounds run."""
     if not enabled():
         return None
@@ -83,7 +85,19 @@ def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
         seconds = time_passes(model, batch, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
         return [round(seconds[n] / seconds[1], 3) for n in range(1, MAX_POSITIONS + 1)]
 
-    return list(remembered(key, measure, param.device))
+    return monotone(list(remembered(key, measure, param.device)))
+
+
+def monotone(costs: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares: pooled adjacent violators), at least 1: a pass over
+    more positions never costs less, so a dip (or a spike before a flat run) in the timings is noise."""
+    blocks: list[list[float]] = []  # [mean, count] of pooled runs
+    for c in costs:
+        blocks.append([max(c, 1.0), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [round(m, 3) for m, n in blocks for _ in range(n)]
 
 
 def batch_pass_costs(model: torch.nn.Module) -> dict[int, list[float]] | None:

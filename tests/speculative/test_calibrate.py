@@ -53,3 +53,11 @@ def test_an_unwritable_cache_still_measures(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTSMITH_CACHE", str(blocker / "sub"))  # under a file: cannot be created
     monkeypatch.setattr(calibrate, "_memory", {})
     assert calibrate.remembered("k", lambda: [4.0]) == [4.0]
+
+
+def test_measured_pass_costs_are_made_non_decreasing():
+    assert calibrate.monotone([1.0, 1.05, 1.1, 1.6]) == [1.0, 1.05, 1.1, 1.6]  # already monotone: kept
+    assert calibrate.monotone([1.0, 0.96, 1.2, 1.34]) == [1.0, 1.0, 1.2, 1.34]  # a dip below a step: 1
+    assert calibrate.monotone([1.0, 1.46, 1.5, 1.79, 1.94, 1.82]) == [1.0, 1.46, 1.5, 1.79, 1.88, 1.88]
+    smoothed = calibrate.monotone([1.0, 1.3, 1.1, 1.2, 2.0])
+    assert smoothed == sorted(smoothed) and smoothed[1:4] == [pytest.approx(1.2)] * 3 and smoothed[4] == 2.0
