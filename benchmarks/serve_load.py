@@ -18,8 +18,9 @@ send to the last token), goodput (requests / s meeting both SLOs, TTFT <= --slo-
 
 Out: results.json, and latency.png: p50 (solid) and p99 (dashed) TPOT against throughput per
 configuration, and p50 TPOT against the offered rate with the crossover marked: the rate at which a
-drafter's p50 TPOT stops beating plain decoding's (linear interpolation between the two rates that
-bracket the sign change; "not reached" within the rates tried).
+drafter's p50 TPOT stops beating plain decoding's, or (a drafter whose drafts do not pay alone, in a
+batch that prices them at its size) starts to (linear interpolation between the two rates that bracket
+the sign change; none within the rates tried: "ahead at every rate" or "never ahead").
 """
 
 from __future__ import annotations
@@ -150,16 +151,16 @@ def summarise(results: list[dict], rate: float, args) -> dict:
 
 
 def crossover(plain: list[dict], spec: list[dict]) -> tuple[float | None, str]:
-    """(the rate where spec's p50 TPOT reaches plain's, interpolated; how the curves relate): "crosses",
-    "ahead at every rate" (no crossover within the rates tried, rate None) or "never ahead" (spec is
-    already slower at the lowest rate tried: there is nothing to cross, rate None)."""
+    """(a rate where spec's p50 TPOT meets plain's, interpolated; how the curves relate): "crosses" (ahead
+    at low load, behind from that rate), "overtakes" (behind at low load, ahead from that rate: at low
+    load its drafts do not pay, under load a batch that drafts little does), "ahead at every rate" or
+    "never ahead" (behind at every rate tried); for the last two the rate is None."""
     gaps = [(p["rate"], s["tpot"]["p50"] - p["tpot"]["p50"]) for p, s in zip(plain, spec)]
-    if gaps[0][1] >= 0:
-        return None, "never ahead"
+    ahead = gaps[0][1] < 0
     for (r0, g0), (r1, g1) in zip(gaps, gaps[1:]):
-        if g1 >= 0:
-            return r0 + (r1 - r0) * (-g0) / (g1 - g0), "crosses"
-    return None, "ahead at every rate"
+        if (g1 < 0) != ahead:
+            return r0 + (r1 - r0) * (-g0) / (g1 - g0), "crosses" if ahead else "overtakes"
+    return None, "ahead at every rate" if ahead else "never ahead"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -242,9 +243,10 @@ def main(argv=None) -> int:
             low = plain["rates"][0]["tpot"]["p50"] / config["rates"][0]["tpot"]["p50"]
             config["low_load_tpot_p50_speedup"] = low
             where = config["crossover_rate"]
-            relation = f"crosses plain at {where:.3f} req/s" if where is not None else (
-                "slower than plain at every rate tried" if config["crossover"] == "never ahead"
-                else "ahead of plain at every rate tried")
+            relation = {"crosses": f"falls behind plain from {where or 0:.3f} req/s",
+                        "overtakes": f"behind plain at low load, ahead from {where or 0:.3f} req/s",
+                        "never ahead": "slower than plain at every rate tried",
+                        "ahead at every rate": "ahead of plain at every rate tried"}[config["crossover"]]
             print(f"{name}: p50 TPOT speedup over plain {low:.2f}x at {rates[0]} req/s; {relation}; peak RSS "
                   f"{(config['peak_rss_bytes'] or 0) / 2**20:.0f} MiB (plain {(plain['peak_rss_bytes'] or 0) / 2**20:.0f})")
     report["text_mismatches"] = mismatches

@@ -24,3 +24,10 @@ def test_crossover_is_interpolated_and_a_drafter_slower_from_the_start_never_cro
     assert how == "crosses" and abs(rate - (0.3 + 0.6 * 10 / 30)) < 1e-9
     assert crossover(plain, rows([0.1, 0.3, 0.9], [70.0, 140.0, 170.0])) == (None, "never ahead")
     assert crossover(plain, rows([0.1, 0.3, 0.9], [30.0, 60.0, 100.0])) == (None, "ahead at every rate")
+
+
+def test_a_drafter_behind_at_low_load_and_ahead_under_load_overtakes():
+    crossover = load().crossover
+    plain = rows([0.1, 0.3, 0.9], [105.0, 182.0, 253.0])
+    rate, how = crossover(plain, rows([0.1, 0.3, 0.9], [115.0, 154.0, 226.0]))
+    assert how == "overtakes" and abs(rate - (0.1 + 0.2 * 10 / 38)) < 1e-9
