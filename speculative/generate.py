@@ -47,7 +47,7 @@ from draftsmith.speculative.options import DecodeOptions, Request
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
-from draftsmith.speculative.small_gemm import resolve_mode, small_row_linears
+from draftsmith.speculative.small_gemm import Plan, patched, plan, resolve_mode
 from draftsmith.speculative.tree import Leaves, take_leaves
 from draftsmith.speculative.verify import VerifyOutput, validate_verify_inputs
 
@@ -173,6 +173,7 @@ class SpeculativeDecoder:
         self.verifier = make_verifier(self.device, verifier)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
+        self._linear_plan: Plan | None = None
         # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
@@ -184,12 +185,15 @@ class SpeculativeDecoder:
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:
-        """The context the runtime's forward passes run in (small_gemm.py), or a no-op."""
+        """The context the runtime's forward passes run in (small_gemm.py), or a no-op. Which layers take
+        the few-row path is planned once per decoder (the first time), not on every engine step."""
         if self.small_gemm == "off":
             return contextlib.nullcontext()
-        kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
-        return small_row_linears(self.target, *(kind.modules(self.proposer) if kind is not None else []),
-                                 mode=self.small_gemm)
+        if self._linear_plan is None:
+            kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
+            self._linear_plan = plan(self.target, *(kind.modules(self.proposer) if kind is not None else []),
+                                     mode=self.small_gemm)
+        return patched(self._linear_plan)
 
     @torch.inference_mode()
     def generate(
