@@ -12,7 +12,8 @@ sends at most --requests requests and stops sending after --duration seconds; ev
 (chat completions, greedy, so each configuration must emit the same text: checked).
 
 Per request: TTFT (send to first token), TPOT (time per output token after the first: (e2e - TTFT) /
-(tokens - 1)), e2e latency. Per rate: their p50/p95/p99, throughput (output tokens / s from the first
+(tokens - 1)), e2e latency. Per rate: their p50/p95/p99, the mean AL (tokens a row emitted per round,
+from the server's /metrics before and after the rate), throughput (output tokens / s from the first
 send to the last token), goodput (requests / s meeting both SLOs, TTFT <= --slo-ttft and TPOT <=
 --slo-tpot), the achieved request rate. Per configuration: the server's peak RSS (VmHWM).
 
@@ -137,6 +138,19 @@ async def run_rate(url: str, prompts: list[list[dict]], rate: float, args) -> li
         return list(await asyncio.gather(*(at(i, w) for i, w in enumerate(times))))
 
 
+def emitted_per_round(url: str) -> tuple[float, float]:
+    """The server's running totals of tokens rows emitted and row-rounds (its AL histogram's sum and
+    count, from /metrics): the difference over a rate is that rate's mean AL."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in ("draftsmith_acceptance_length_sum", "draftsmith_acceptance_length_count"):
+                totals[sample.name.rsplit("_", 1)[1]] = sample.value
+    return totals.get("sum", 0.0), totals.get("count", 0.0)
+
+
 def summarise(results: list[dict], rate: float, args) -> dict:
     def pct(key: str) -> dict:
         values = [r[key] for r in results if r[key] is not None]
@@ -224,15 +238,19 @@ def main(argv=None) -> int:
             asyncio.run(run_rate(url, prompts[:1], 1.0, argparse.Namespace(**{**vars(args), "requests": 1})))  # warm-up
             summaries = []
             for rate in rates:
+                before = emitted_per_round(url)
                 results = asyncio.run(run_rate(url, prompts, rate, args))
+                after = emitted_per_round(url)
                 for r in results:  # greedy: every configuration emits the same text for a prompt
                     mismatches += texts.setdefault(r["prompt"], r["text"]) != r["text"]
                 summaries.append(summarise(results, rate, args))
                 s = summaries[-1]
+                rounds = after[1] - before[1]
+                s["acceptance_length"] = (after[0] - before[0]) / rounds if rounds else None
                 print(f"{drafter:16s} rate {rate:6.3f}/s: TPOT p50 {1000 * s['tpot']['p50']:7.1f} ms "
                       f"p99 {1000 * s['tpot']['p99']:7.1f} ms | TTFT p50 {s['ttft']['p50']:6.2f} s | "
-                      f"{s['throughput_tok_s']:6.1f} tok/s | goodput {s['goodput_req_s']:.3f} req/s",
-                      file=sys.stderr, flush=True)
+                      f"{s['throughput_tok_s']:6.1f} tok/s | goodput {s['goodput_req_s']:.3f} req/s | "
+                      f"AL {s['acceptance_length'] or 0:.2f}", file=sys.stderr, flush=True)
         finally:
             peak = stop_server(process)
         report["configs"][drafter] = {"rates": summaries, "peak_rss_bytes": peak}

@@ -1,4 +1,4 @@
-"""benchmarks/serve_load.py's crossover: where a drafter's p50 time per output token stops beating plain's."""
+"""benchmarks/serve_load.py's analysis: where a drafter's p50 time per output token meets plain's, and the AL per rate."""
 
 import importlib.util
 from pathlib import Path
@@ -31,3 +31,22 @@ def test_a_drafter_behind_at_low_load_and_ahead_under_load_overtakes():
     plain = rows([0.1, 0.3, 0.9], [105.0, 182.0, 253.0])
     rate, how = crossover(plain, rows([0.1, 0.3, 0.9], [115.0, 154.0, 226.0]))
     assert how == "overtakes" and abs(rate - (0.1 + 0.2 * 10 / 38)) < 1e-9
+
+
+def test_the_mean_al_per_rate_comes_from_the_servers_metrics(monkeypatch):
+    from draftsmith.speculative.serve_metrics import ServeMetrics
+
+    module = load()
+    metrics = ServeMetrics(draft_len=4)
+
+    class Reply:
+        @property
+        def text(self):
+            return metrics.render().decode()
+
+    monkeypatch.setattr(module.httpx, "get", lambda url, timeout: Reply())
+    before = module.emitted_per_round("http://server")
+    for tokens in (1, 3, 5, 3):  # four row-rounds
+        metrics.round_tokens.observe(tokens)
+    after = module.emitted_per_round("http://server")
+    assert before == (0.0, 0.0) and (after[0] - before[0]) / (after[1] - before[1]) == 3.0
