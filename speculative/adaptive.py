@@ -12,8 +12,8 @@ P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is the drafter'
 token over the target's (`DrafterKind.draft_cost`), `r` what a drafting round costs beyond those
 (ROUND_OVERHEAD: the drafter's first step over the accepted tokens, a round's bookkeeping).
 
-Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead: C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the
-pass and `r`, `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight
+Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead:
+C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the pass and `r`, `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight
 width: at batch 1 on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and
 adaptive rounds fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
 With a per-token acceptance probability a, it emits
@@ -164,7 +164,8 @@ class AdaptiveDraftLength:
             tokens = sum(expected_tokens(self.acceptance(b), min(m, max_lens[b]) if b in sharing else lens[b])
                          for b in range(batch))
             width = max(m, fixed)
-            cost = 1.0 if width == 0 else pass_cost(self.pass_costs, width + 1, batch) + self.round_cost + width * self.cost
+            cost = 1.0 if width == 0 else (pass_cost(self.pass_costs, width + 1, batch) + self.round_cost
+                                           + width * self.cost)
             if best_rate is None or tokens / cost > best_rate + 1e-12:
                 best, best_rate = m, tokens / cost
         for b in shared:

@@ -72,8 +72,8 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
 def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
     """Seconds of a target pass over n = 1..MAX_POSITIONS positions per row of a `batch`-row batch (over a
     CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1, made non-decreasing
-    (`monotone`). None where calibration is off. The caller (the decoder, once when it is built) measures in the runtime's own linear-path
-    context, as its rounds run."""
+    (`monotone`). None where calibration is off. The caller (the decoder, once when it is built) measures
+    in the runtime's own linear-path context, as its rounds run."""
     if not enabled():
         return None
     param = next(model.parameters())

@@ -1,4 +1,5 @@
-"""benchmarks/serve_load.py's analysis: where a drafter's p50 time per output token meets plain's, and the AL per rate."""
+"""benchmarks/serve_load.py's analysis: where a drafter's p50 time per output token meets plain's, and the
+AL per rate."""
 
 import importlib.util
 from pathlib import Path
