@@ -23,7 +23,11 @@ With a per-token acceptance probability a, it emits
 tokens, so a row alone drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain decoding, is worth 1).
 `a` is the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over
 its recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of
-`prior` worth `prior_weight` tokens; each row learns from its own rounds only.
+`prior` worth `prior_weight` tokens; each row learns from its own rounds only. A greedy row that joins a
+running engine whose rows have drafted starts from what those rows saw instead of `prior` (the
+acceptance over every row's recent rounds, `seen_decay` per round): a server learns its drafter's
+usual acceptance, so a new request on a poorly accepted drafter does not begin by drafting at 0.6.
+Sampled rows keep `prior`, which depends on nothing that ran before them.
 
 In a running batch of B rows the round is one pass as wide as the longest draft, and its cost against B
 one-token rows, P_B(n), grows with B (SmolLM2 in float32 on the Intel Xeon: 4 rows of 3 positions cost
@@ -108,14 +112,16 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0):
+                 decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
         if isinstance(pass_costs, list):
             pass_costs = {1: pass_costs}
         if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):
             raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
                              f"(and passes > 0: {pass_costs})")
         self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
-        self.decay, self.prior, self.prior_weight = decay, prior, prior_weight
+        self.decay, self.prior, self.prior_weight, self.seen_decay = decay, prior, prior_weight, seen_decay
+        self.seen_accepted = self.seen_offered = 0.0  # every row's decayed accepted / offered draft tokens
+        self.priors: list[float] = []  # per row: the acceptance it started from
         self.accepted: list[float] = []  # per row: decayed accepted draft tokens
         self.offered: list[float] = []  # per row: decayed offered ones (up to the first rejected)
         self.wait: list[int] = []  # per row: plain rounds left before the next probe
@@ -131,15 +137,21 @@ class AdaptiveDraftLength:
         self.backoff += [1] * n
         self.cap += [1] * n
         self.alone += list(alone) if alone is not None else [False] * n
+        self.priors += [self.prior if a else self.starting_acceptance() for a in self.alone[-n:]]
+
+    def starting_acceptance(self) -> float:
+        """What a joining greedy row starts from: the acceptance every row saw lately, shrunk toward
+        `prior` as a row's estimate is."""
+        return (self.seen_accepted + self.prior * self.prior_weight) / (self.seen_offered + self.prior_weight)
 
     def select(self, rows: list[int]) -> None:
         """Keep these rows, in this order (the others left the batch)."""
-        for name in ("accepted", "offered", "wait", "backoff", "cap", "alone"):
+        for name in ("accepted", "offered", "wait", "backoff", "cap", "alone", "priors"):
             values = getattr(self, name)
             setattr(self, name, [values[b] for b in rows])
 
     def acceptance(self, b: int) -> float:
-        return (self.accepted[b] + self.prior * self.prior_weight) / (self.offered[b] + self.prior_weight)
+        return (self.accepted[b] + self.priors[b] * self.prior_weight) / (self.offered[b] + self.prior_weight)
 
     def lengths(self, max_lens: list[int]) -> list[int]:
         """This round's draft length per row, within `max_lens` (each row's D and budget).
@@ -192,11 +204,15 @@ class AdaptiveDraftLength:
 
     def observe(self, drafted: list[int], accepted: list[int]) -> None:
         """A round's outcome: per row the draft tokens offered and how many were accepted."""
+        self.seen_accepted *= self.seen_decay
+        self.seen_offered *= self.seen_decay
         for b, (d, a) in enumerate(zip(drafted, accepted)):
             if d <= 0:
                 continue
             self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
             self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
+            self.seen_accepted += min(a, d)
+            self.seen_offered += min(a + 1, d)
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
             if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost,
                               self.pass_costs) == 0:

@@ -68,9 +68,11 @@ def test_rows_are_independent_and_follow_joins_and_leaves():
         d = policy.lengths([4, 4])
         policy.observe(d, [0, d[1]])  # row 0 always rejected, row 1 always accepted
     assert policy.lengths([4, 4])[1] == 4 and policy.acceptance(0) < 0.2 < 0.9 < policy.acceptance(1)
-    policy.add_rows(1)  # a new row starts from the prior
+    start = policy.starting_acceptance()  # what the rows so far saw (one always rejected, one accepted)
+    assert 0.2 < start < 0.9
+    policy.add_rows(1)  # a new greedy row starts from it
     policy.select([2, 1])  # row 0 leaves
-    assert policy.acceptance(0) == pytest.approx(0.6) and policy.acceptance(1) > 0.9
+    assert policy.acceptance(0) == pytest.approx(start) and policy.acceptance(1) > 0.9
     assert policy.lengths([0, 0]) == [0, 0]  # no room: nothing drafted, no wait spent
 
 
@@ -220,3 +222,18 @@ def test_sampled_rows_are_priced_alone_whatever_runs_beside_them():
     assert lens[0] == 2  # the sampled row drafts what pays at batch 1, as in any batch
     assert len(set(lens[1:])) == 1  # the greedy rows share one length, given the pass it opened
     assert shared_policy(1, alone=[True]).lengths([4]) == [2]
+
+
+def test_a_joining_greedy_row_starts_from_the_acceptance_the_rows_before_it_saw():
+    policy = AdaptiveDraftLength(0.05, round_cost=0.1, pass_costs=BATCH_COSTS)
+    policy.add_rows(1)
+    assert policy.acceptance(0) == pytest.approx(0.6)  # nothing seen yet: the prior
+    for _ in range(20):  # the drafter is rarely accepted on this traffic
+        d = max(policy.lengths([4])[0], 1)
+        policy.observe([d], [0])
+    policy.add_rows(2, alone=[False, True])
+    assert policy.acceptance(1) < 0.1  # a new greedy request does not start by drafting at 0.6
+    assert policy.acceptance(2) == pytest.approx(0.6)  # a sampled one depends on nothing before it
+    assert best_draft_len(policy.acceptance(1), 0.05, 4, 0.1, BATCH_COSTS) == 0  # it starts backed off
+    policy.select([1, 2])  # rows leave: each keeps its own starting point
+    assert policy.acceptance(0) < 0.1 and policy.acceptance(1) == pytest.approx(0.6)
