@@ -100,7 +100,12 @@ class KVState:
         self._trim()
 
     def select_rows(self, rows: torch.Tensor) -> None:  # rows: [B'] int64 indices of rows to keep
-        self.cache.batch_select_indices(rows)
+        # Indexed here rather than by DynamicCache.batch_select_indices, which leaves a layer with no slot
+        # (every row rolled back, or none fed yet) at its old batch size, so the next forward fails.
+        for layer in self.cache.layers:
+            keys = _keys(layer, empty=True)
+            if keys is not None:
+                layer.keys, layer.values = keys[rows], layer.values[rows]
         self.mask = self.mask[rows]
         self.lengths = self.lengths[rows]
         self._trim()

@@ -187,3 +187,16 @@ def test_rows_join_a_cache_that_lost_every_slot(model):
     logits = state.forward(*left_padded([[6, 7], [8]])).logits
     for row, tokens in enumerate([[6, 7], [8]]):
         torch.testing.assert_close(logits[row, -1], fresh(model, tokens)[1][-1], **LOGITS_TOL)
+
+
+@torch.no_grad()
+def test_rows_leave_a_cache_that_holds_no_slot(model):
+    """Rows leaving a cache trimmed to zero slots (a drafter whose batch has drafted nothing yet) leave its
+    layers too: the next forward runs at the smaller batch size."""
+    state = prefilled(model, [[1, 2, 3], [4, 5], [6]])
+    state.keep_last(torch.zeros(3, 3, dtype=torch.bool))  # every slot rolled back: zero slots wide
+    state.select_rows(torch.tensor([2]))
+    assert state.batch_size == 1
+    assert all(layer.keys.shape[0] == 1 for layer in state.cache.layers if layer.is_initialized)
+    logits = state.forward(*left_padded([[7, 8]])).logits
+    torch.testing.assert_close(logits[0, -1], fresh(model, [7, 8])[1][-1], **LOGITS_TOL)
