@@ -132,7 +132,10 @@ async def run_rate(url: str, prompts: list[list[dict]], rate: float, args) -> li
 
         async def at(i: int, when: float) -> dict:
             await asyncio.sleep(max(0.0, t0 + when - time.perf_counter()))
-            result = await one_request(client, url, prompts[i % len(prompts)], args.max_tokens)
+            try:
+                result = await one_request(client, url, prompts[i % len(prompts)], args.max_tokens)
+            except (RuntimeError, httpx.HTTPError) as e:  # counted, not fatal: the run's other requests stand
+                result = {"error": str(e) or type(e).__name__}
             return result | {"prompt": i % len(prompts), "offset": when}
 
         return list(await asyncio.gather(*(at(i, w) for i, w in enumerate(times))))
@@ -152,6 +155,12 @@ def emitted_per_round(url: str) -> tuple[float, float]:
 
 
 def summarise(results: list[dict], rate: float, args) -> dict:
+    """Latency percentiles, throughput and goodput over the requests that completed; `errors` counts the
+    others (a failed request is reported, and the run goes on)."""
+    offered, results = results, [r for r in results if "error" not in r]
+    if not results:
+        raise RuntimeError(f"every request at {rate} req/s failed, the first with: {offered[0]['error']}")
+
     def pct(key: str) -> dict:
         values = [r[key] for r in results if r[key] is not None]
         return {f"p{q}": float(np.percentile(values, q)) if values else None for q in (50, 95, 99)}
@@ -161,7 +170,7 @@ def summarise(results: list[dict], rate: float, args) -> dict:
     return {"rate": rate, "requests": len(results), "achieved_rate": len(results) / max(results[-1]["offset"], 1e-9),
             "ttft": pct("ttft"), "tpot": pct("tpot"), "e2e": pct("e2e"),
             "throughput_tok_s": sum(r["tokens"] for r in results) / span, "goodput_req_s": len(good) / span,
-            "slo_met": len(good) / len(results)}
+            "slo_met": len(good) / len(offered), "errors": len(offered) - len(results)}
 
 
 def crossover(plain: list[dict], spec: list[dict]) -> tuple[float | None, str]:
@@ -242,7 +251,8 @@ def main(argv=None) -> int:
                 results = asyncio.run(run_rate(url, prompts, rate, args))
                 after = emitted_per_round(url)
                 for r in results:  # greedy: every configuration emits the same text for a prompt
-                    mismatches += texts.setdefault(r["prompt"], r["text"]) != r["text"]
+                    if "error" not in r:
+                        mismatches += texts.setdefault(r["prompt"], r["text"]) != r["text"]
                 summaries.append(summarise(results, rate, args))
                 s = summaries[-1]
                 rounds = after[1] - before[1]
@@ -250,7 +260,8 @@ def main(argv=None) -> int:
                 print(f"{drafter:16s} rate {rate:6.3f}/s: TPOT p50 {1000 * s['tpot']['p50']:7.1f} ms "
                       f"p99 {1000 * s['tpot']['p99']:7.1f} ms | TTFT p50 {s['ttft']['p50']:6.2f} s | "
                       f"{s['throughput_tok_s']:6.1f} tok/s | goodput {s['goodput_req_s']:.3f} req/s | "
-                      f"AL {s['acceptance_length'] or 0:.2f}", file=sys.stderr, flush=True)
+                      f"AL {s['acceptance_length'] or 0:.2f}" + (f" | {s['errors']} FAILED" if s["errors"] else ""),
+                      file=sys.stderr, flush=True)
         finally:
             peak = stop_server(process)
         report["configs"][drafter] = {"rates": summaries, "peak_rss_bytes": peak}

@@ -51,3 +51,18 @@ def test_the_mean_al_per_rate_comes_from_the_servers_metrics(monkeypatch):
         metrics.round_tokens.observe(tokens)
     after = module.emitted_per_round("http://server")
     assert before == (0.0, 0.0) and (after[0] - before[0]) / (after[1] - before[1]) == 3.0
+
+
+def test_a_failed_request_is_counted_and_the_rest_summarised():
+    import argparse
+
+    import pytest
+
+    module = load()
+    ok = {"start": 0.0, "ttft": 0.3, "e2e": 2.0, "tokens": 20, "tpot": 0.09, "offset": 1.0}
+    results = [ok, {"error": "internal error", "offset": 2.0}, ok | {"start": 1.0, "offset": 3.0}]
+    summary = module.summarise(results, 0.3, argparse.Namespace(slo_ttft=2.0, slo_tpot=0.25))
+    assert summary["errors"] == 1 and summary["requests"] == 2 and summary["tpot"]["p50"] == 0.09
+    assert summary["slo_met"] == 2 / 3  # a failed request misses the SLO
+    with pytest.raises(RuntimeError, match="every request"):
+        module.summarise([{"error": "x", "offset": 1.0}], 0.3, argparse.Namespace(slo_ttft=2.0, slo_tpot=0.25))
