@@ -13,9 +13,10 @@ token over the target's (`DrafterKind.draft_cost`), `r` what a drafting round co
 (ROUND_OVERHEAD: the drafter's first step over the accepted tokens, a round's bookkeeping).
 
 Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead:
-C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the pass and `r`, `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight
-width: at batch 1 on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and
-adaptive rounds fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
+C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the pass and `r`,
+`round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight width: at batch 1
+on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and adaptive rounds
+fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
 With a per-token acceptance probability a, it emits
 
     E(d) = 1 + a + ... + a^d = (1 - a^(d+1)) / (1 - a)

@@ -103,7 +103,7 @@ class KVState:
         # Indexed here rather than by DynamicCache.batch_select_indices, which leaves a layer with no slot
         # (every row rolled back, or none fed yet) at its old batch size, so the next forward fails.
         for layer in self.cache.layers:
-            keys = _keys(layer, empty=True)
+            keys = _keys(layer)
             if keys is not None:
                 layer.keys, layer.values = keys[rows], layer.values[rows]
         self.mask = self.mask[rows]
@@ -118,9 +118,9 @@ class KVState:
         width = max(self.mask.shape[1], other.mask.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             # A layer that held slots and lost them all (every row rolled back or left) still has keys
-            # shaped for the old batch: it is rebuilt at the new batch size, zero slots wide.
-            like = next((t for t in (_keys(mine), _keys(theirs), _keys(mine, empty=True), _keys(theirs, empty=True))
-                         if t is not None), None)
+            # shaped for the old batch: it is rebuilt at the new batch size, zero slots wide. (`like` lends
+            # only dtype, device, heads and head size.)
+            like = next((t for t in (_keys(mine), _keys(theirs)) if t is not None), None)
             if like is None:  # neither layer made yet: its first update makes it at the batch's size
                 continue
             if not mine.is_initialized:
@@ -166,10 +166,10 @@ class KVState:
         self._checked_layout = True
 
 
-def _keys(layer, *, empty: bool = False) -> torch.Tensor | None:
-    """A cache layer's keys [B, H, L, d] when it holds any slot (with `empty`, also none), else None."""
+def _keys(layer) -> torch.Tensor | None:
+    """A cache layer's keys [B, H, L, d] (L may be 0) once it has been made, else None."""
     keys = getattr(layer, "keys", None) if layer.is_initialized else None
-    return keys if keys is not None and keys.dim() == 4 and (empty or keys.shape[2] > 0) else None
+    return keys if keys is not None and keys.dim() == 4 else None
 
 
 def _widened(x: torch.Tensor | None, batch: int, width: int, like: torch.Tensor | None = None) -> torch.Tensor:
