@@ -8,12 +8,16 @@ P(n) is what the target's pass over n positions costs against a one-token step, 
 the first time (calibrate.py; remembered per processor, threads, dtype and model): it is the term no
 table gets right, since it depends on the hardware's matmul shapes (SmolLM2-135M in float32 at batch 1:
 P(3) = 2.0 on an AMD EPYC core through F.linear, 1.3 through the few-row path; on an Intel Xeon with AMX
-P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is the drafter's matmuls per drafted
-token over the target's (`DrafterKind.draft_cost`), `r` what a drafting round costs beyond those
-(ROUND_OVERHEAD: the drafter's first step over the accepted tokens, a round's bookkeeping).
+P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is what one more draft step costs and
+`r` what a drafting round costs beyond its pass and its draft steps (the drafter's first step over the
+accepted tokens, a round's bookkeeping), both measured with the decoder's drafter when the decoder is
+built (calibrate.draft_costs: rounds timed at fixed draft lengths beside their target passes, remembered
+per drafter architecture); a proposer without a module of its own (prompt lookup) takes c = 0 and
+r = ROUND_OVERHEAD, and `round_cost` overrides r.
 
 Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead:
-C(d) = 1 + r + d * (c + v), with `v`, `verify_cost`, what one more position costs the pass and `r`,
+C(d) = 1 + r + d * (c + v), with c the drafter's matmul weights per drafted token over the target's
+(`DrafterKind.draft_cost`), `v`, `verify_cost`, what one more position costs the pass and `r`,
 `round_cost`, fitted on the AMD CPU (VERIFY_COST and ROUND_COST, per device and weight width: at batch 1
 on one thread fixed D=4 rounds cost 2.0-2.05 plain steps in every prompt category, and adaptive rounds
 fit r about 0.4 beside c + v about 0.15: benchmarks/by_category.py).
@@ -62,8 +66,8 @@ VERIFY_COST = {"cpu": 0.1, "cpu-16bit": 0.02, "cuda": 0.02}
 # fitted as the module docstring says; the rest are not fitted here: small guesses, since there a
 # multi-token pass costs about what a one-token step does).
 ROUND_COST = {"cpu": 0.4, "cpu-16bit": 0.1, "cuda": 0.05}
-# With the target's passes measured on this machine (calibrate.py), what a drafting round costs beyond
-# its pass and the drafter's per-token cost: the drafter's first step over the accepted tokens, and the
+# With the target's passes measured on this machine (calibrate.py) and a proposer whose drafter cannot be
+# timed (prompt lookup: no module of its own), what a drafting round costs beyond its pass: the
 # bookkeeping of a speculative round over a plain step.
 ROUND_OVERHEAD = {"cpu": 0.1, "cpu-16bit": 0.1, "cuda": 0.05}
 
@@ -230,7 +234,11 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     device = cost_key(decoder.device, next(target.parameters()).dtype)
     draft = kinds.of(proposer).draft_cost(proposer, target)
     if options.verify_cost is None and decoder.pass_costs is not None:  # measured when the decoder was built
-        overhead = _given_or_device(options.round_cost, ROUND_OVERHEAD, device)
+        measured = decoder.draft_costs  # the drafter's steps and round overhead, measured with the passes
+        if measured is not None:
+            draft = measured["per_token"]
+        overhead = (measured["per_round"] if measured is not None and options.round_cost is None
+                    else _given_or_device(options.round_cost, ROUND_OVERHEAD, device))
         return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=decoder.pass_costs)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)

@@ -3,10 +3,11 @@
 Two choices depend on the hardware so much that no table fits every machine (see small_gemm.py and
 adaptive.py): which matmul path a few-row linear layer takes, and what a target pass over n positions
 costs relative to a one-token step (the adaptive draft length's cost model), for each running batch
-size (BATCH_SIZES) since a round covers every row's drafts. On an AMD EPYC core in float32,
-SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through F.linear; on an Intel Xeon with AMX,
-1.1x at batch 1 and 1.5x at batch 2 (2 rows of 3 positions against 2 one-token rows), and 1.6x over 5
-tokens at batch 1. So they are measured on the machine that decodes, the first time
+size (BATCH_SIZES) since a round covers every row's drafts; and with it what the decoder's drafter adds
+to a round (`draft_costs`: its steps are few-row matmuls and bookkeeping that no weight count prices).
+On an AMD EPYC core in float32, SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through
+F.linear; on an Intel Xeon with AMX, 1.1x at batch 1 and 1.5x at batch 2 (2 rows of 3 positions against
+2 one-token rows), and 1.6x over 5 tokens at batch 1. So they are measured on the machine that decodes, the first time
 they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
 version, thread count, dtype and what was measured. Later processes read the stored value instead of
 measuring, under a file lock, so every process on the machine makes the same choices: a seeded sampled
@@ -18,6 +19,7 @@ instead of measuring (adaptive.py's VERIFY_COST and ROUND_COST; small_gemm's fix
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -38,6 +40,10 @@ CONTEXT = 128  # tokens in the cache a timed pass attends over
 MAX_POSITIONS = 9  # passes of 1..9 positions (D up to 8); longer ones are extrapolated
 BATCH_SIZES = (1, 2, 4, 8, 16)  # running batches whose passes are measured; others are interpolated
 REPS = 5  # timed passes per length (after two warm-up sweeps); the median counts
+DRAFT_LENS = (1, 3)  # fixed draft lengths whose rounds time the drafter (draft_costs)
+DRAFT_CONTEXT = 64  # prompt tokens before the timed rounds
+DRAFT_ROUNDS = 8  # rounds timed per run
+REPS_ROUNDS = 3  # timed runs per draft length (after a warm-up sweep); the median counts
 
 _memory: dict[str, object] = {}
 
@@ -77,7 +83,7 @@ def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
     if not enabled():
         return None
     param = next(model.parameters())
-    fingerprint = hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+    fingerprint = _config_fingerprint(model)
     rows = "" if batch == 1 else f"|batch {batch}"  # batch 1 keeps the key it was first stored under
     key = f"{str(param.dtype).removeprefix('torch.')}|pass costs{rows}|{type(model).__name__} {fingerprint}"
 
@@ -86,6 +92,80 @@ def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
         return [round(seconds[n] / seconds[1], 3) for n in range(1, MAX_POSITIONS + 1)]
 
     return monotone(list(remembered(key, measure, param.device)))
+
+
+def draft_costs(decoder) -> dict[str, float] | None:
+    """What the decoder's drafter costs on this machine, relative to one round that drafts nothing (a plain
+    step of the same runtime, drafter attached), fitted to rounds timed at fixed draft lengths DRAFT_LENS
+    as C(d) - P(d + 1) = r + d * c: `per_token` (c, one more draft step) and `per_round` (r, the round's
+    first draft step over the accepted tokens and the bookkeeping of a drafting round), both >= 0.
+    None where calibration is off, the pass costs are not measured, or the proposer runs no module
+    (prompt lookup: its cost is the pass's). Remembered per drafter architecture (kind and the shapes of
+    the weights it runs), target model and dtype, as the pass costs are."""
+    from draftsmith.speculative import kinds
+
+    proposer = decoder.proposer
+    kind = kinds.find(proposer.kind) if proposer is not None else None
+    modules = kind.modules(proposer) if kind is not None else []
+    if not enabled() or decoder.pass_costs is None or not modules:
+        return None
+    target = decoder.target
+    param = next(target.parameters())
+    shapes = [(name, tuple(p.shape), str(p.dtype)) for m in modules for name, p in m.named_parameters()]
+    drafter = hashlib.sha256(f"{kind.name}|{shapes}".encode()).hexdigest()[:16]
+    key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs|{type(target).__name__} "
+           f"{_config_fingerprint(target)}|{kind.name} {drafter}")
+
+    def measure() -> dict[str, float]:
+        timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS)
+        (plain, plain_pass) = timed[0]
+        # What a round adds beyond its target pass, over the plain step's own beyond its pass.
+        extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
+        return fit_draft_costs(list(DRAFT_LENS), extra)
+
+    return dict(remembered(key, measure, param.device))
+
+
+def fit_draft_costs(lens: list[int], extra: list[float]) -> dict[str, float]:
+    """r + d * c fitted to `extra` over draft lengths `lens` (least squares, with r and c kept >= 0)."""
+    n = len(lens)
+    mean_d, mean_e = sum(lens) / n, sum(extra) / n
+    spread = sum((d - mean_d) ** 2 for d in lens)
+    c = max(sum((d - mean_d) * (e - mean_e) for d, e in zip(lens, extra)) / spread, 0.0) if spread else 0.0
+    r = mean_e - c * mean_d
+    if r < 0:  # a line through the origin instead
+        r, c = 0.0, max(sum(d * e for d, e in zip(lens, extra)) / sum(d * d for d in lens), 0.0)
+    return {"per_token": round(c, 4), "per_round": round(r, 4)}
+
+
+def time_rounds(decoder, draft_lens, rounds: int, reps: int) -> dict[int, tuple[float, float]]:
+    """Per fixed draft length (0: rounds that draft nothing), the median seconds of one of the decoder's
+    greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token random prompt,
+    over `rounds` rounds after its first (where a drafter that reads the target's states takes in the
+    prompt's). Random text is rarely drafted right, so nearly every round drafts its full length."""
+    from draftsmith.speculative.engine import Engine
+    from draftsmith.speculative.options import DecodeOptions, Request
+
+    g = torch.Generator().manual_seed(0)
+    prompt = tuple(torch.randint(0, decoder.vocab_size, (DRAFT_CONTEXT,), generator=g).tolist())
+    budget = (max(draft_lens) + 1) * (rounds + 2)
+    times: dict[int, list[tuple[float, float]]] = {d: [] for d in draft_lens}
+    for rep in range(reps + 1):  # the first sweep warms up
+        for d in draft_lens[rep % len(draft_lens):] + draft_lens[: rep % len(draft_lens)]:
+            engine = Engine(decoder, DecodeOptions(draft_len=d))
+            engine.add(Request(prompt, max_new_tokens=budget, ignore_eos=True))
+            engine.step()  # the prefill and the first round
+            stats = engine.run.stats
+            target_before, t0 = stats.target_s, time.perf_counter()
+            for _ in range(rounds):
+                engine.step()
+            if rep > 0:
+                times[d].append(((time.perf_counter() - t0) / rounds, (stats.target_s - target_before) / rounds))
+    return {d: (statistics.median(w for w, _ in t), statistics.median(p for _, p in t)) for d, t in times.items()}
+
+
+def _config_fingerprint(model: torch.nn.Module) -> str:
+    return hashlib.sha256(model.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
 
 def monotone(costs: list[float]) -> list[float]:

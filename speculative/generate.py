@@ -178,10 +178,16 @@ class SpeculativeDecoder:
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
         self.pass_costs: dict[int, list[float]] | None = None
+        self.draft_costs: dict[str, float] | None = None
         if self.small_gemm == "auto" or proposer is not None:
             with self.fast_linears():
                 if proposer is not None:
                     self.pass_costs = calibrate.batch_pass_costs(target)
+        self.debug = False  # the drafter's rounds below are timed without the per-round checks
+        if proposer is not None and self.pass_costs is not None:
+            # What the drafter adds to a round, from rounds timed at fixed draft lengths (these passes
+            # and the drafter's steps, as the runtime runs them).
+            self.draft_costs = calibrate.draft_costs(self)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
     def fast_linears(self) -> contextlib.AbstractContextManager:

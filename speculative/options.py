@@ -36,7 +36,8 @@ class DecodeOptions:
     calibration is off the device's (adaptive.VERIFY_COST: by device type and, on CPU, weight width)."""
     round_cost: float | None = None
     """(adaptive) What a round that drafts at all costs beyond its per-token costs, relative to a one-token
-    step; None = the device's adaptive.ROUND_OVERHEAD beside measured passes, else adaptive.ROUND_COST."""
+    step; None = measured with the drafter beside measured passes (calibrate.draft_costs; for prompt lookup the
+    device's adaptive.ROUND_OVERHEAD), else adaptive.ROUND_COST."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

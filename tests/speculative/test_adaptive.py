@@ -151,12 +151,16 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
 
     proposer = EarlyExitProposer(target, 1)
     draft = kinds.of(proposer).draft_cost(proposer, target)
-    policy = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), SpeculativeDecoder(target, proposer))
-    assert policy.cost == pytest.approx(draft) and policy.round_cost == ROUND_OVERHEAD["cpu"]
+    decoder = SpeculativeDecoder(target, proposer)
+    policy = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), decoder)
+    measured = decoder.draft_costs  # the drafter's steps, timed in rounds at fixed lengths
+    assert (policy.cost, policy.round_cost) == (measured["per_token"], measured["per_round"])
     assert sorted(policy.pass_costs) == [1, 2, 4, 8, 16]  # per running batch size
     for costs in policy.pass_costs.values():
         assert len(costs) == 9 and costs[0] == 1.0 and all(c > 0 for c in costs)
-    assert "pass costs" in machine_cache.read_text()  # remembered for the next process
+    assert "pass costs" in machine_cache.read_text() and "draft costs" in machine_cache.read_text()
+    lookup = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), SpeculativeDecoder(target, NGramProposer()))
+    assert lookup.cost == 0.0 and lookup.round_cost == ROUND_OVERHEAD["cpu"]  # no drafter module to time
     overhead = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
                                 SpeculativeDecoder(target, proposer))
     assert overhead.pass_costs == policy.pass_costs and overhead.round_cost == 0.2  # measured passes stay

@@ -61,3 +61,32 @@ def test_measured_pass_costs_are_made_non_decreasing():
     assert calibrate.monotone([1.0, 1.46, 1.5, 1.79, 1.94, 1.82]) == [1.0, 1.46, 1.5, 1.79, 1.88, 1.88]
     smoothed = calibrate.monotone([1.0, 1.3, 1.1, 1.2, 2.0])
     assert smoothed == sorted(smoothed) and smoothed[1:4] == [pytest.approx(1.2)] * 3 and smoothed[4] == 2.0
+
+
+def test_a_drafters_costs_are_a_line_fitted_to_what_its_rounds_add():
+    assert calibrate.fit_draft_costs([1, 3], [0.15, 0.31]) == {"per_token": 0.08, "per_round": 0.07}
+    assert calibrate.fit_draft_costs([1, 2, 4], [0.2, 0.19, 0.18]) == {"per_token": 0.0, "per_round": 0.19}
+    # a negative intercept (noise): a line through the origin instead, never a negative cost
+    assert calibrate.fit_draft_costs([1, 3], [0.02, 0.3]) == {"per_token": 0.092, "per_round": 0.0}
+
+
+def test_draft_costs_are_measured_per_drafter_and_remembered(target, machine_cache, monkeypatch):
+    from draftsmith.speculative.draft_lm import DraftModelProposer
+    from draftsmith.speculative.generate import SpeculativeDecoder
+    from draftsmith.speculative.ngram import NGramProposer
+    from draftsmith.speculative.tiny import tiny_model
+
+    small = SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1)))
+    large = SpeculativeDecoder(target, DraftModelProposer(tiny_model(2, num_layers=4, hidden_size=256)))
+    assert set(small.draft_costs) == {"per_token", "per_round"} and min(small.draft_costs.values()) >= 0
+    # four wide layers per draft step cost more than one narrow one (each measured under its own key)
+    assert large.draft_costs["per_token"] > small.draft_costs["per_token"]
+    assert json.loads(machine_cache.read_text()).keys() >= {k for k in calibrate._memory if "draft costs" in k}
+    assert len([k for k in calibrate._memory if "draft costs" in k]) == 2
+    calls = []
+    monkeypatch.setattr(calibrate, "time_rounds", lambda *a: calls.append(a))
+    again = SpeculativeDecoder(target, DraftModelProposer(tiny_model(3, num_layers=1)))  # same shapes: read
+    assert again.draft_costs == small.draft_costs and not calls
+    assert SpeculativeDecoder(target, NGramProposer()).draft_costs is None  # nothing of its own to time
+    monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
+    assert SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1))).draft_costs is None

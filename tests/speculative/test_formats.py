@@ -149,8 +149,9 @@ class DraftRecorder(Eagle3Proposer):
 
 def drafts_of(drafter, target, params):
     recorder = DraftRecorder(drafter)
-    result = SpeculativeDecoder(target.model, recorder).generate(PROMPTS, params, options=DecodeOptions(
-        max_new_tokens=60, draft_len=4))
+    decoder = SpeculativeDecoder(target.model, recorder)
+    recorder.drafts.clear()  # the drafts of the rounds that timed the drafter when the decoder was built
+    result = decoder.generate(PROMPTS, params, options=DecodeOptions(max_new_tokens=60, draft_len=4))
     return recorder.drafts, result.tokens
 
 
