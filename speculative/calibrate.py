@@ -119,8 +119,10 @@ def draft_costs(decoder) -> dict[str, float] | None:
     def measure() -> dict[str, float]:
         timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS)
         (plain, plain_pass) = timed[0]
-        # What a round adds beyond its target pass, over the plain step's own beyond its pass.
-        extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
+        if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
+            extra = [timed[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
+        else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
+            extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
         return fit_draft_costs(list(DRAFT_LENS), extra)
 
     return dict(remembered(key, measure, param.device))
