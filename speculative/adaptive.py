@@ -101,12 +101,23 @@ def _positions_cost(costs: list[float], positions: int) -> float:
     return costs[-1] * positions / len(costs)
 
 
+def round_price(draft_len: int, cost: float, round_cost: float, pass_costs, batch: int = 1,
+                round_costs: list[float] | None = None) -> float:
+    """C(d) of a round whose widest draft is `draft_len` (1 for 0): at batch 1 the decoder's timed round
+    where one was timed (`round_costs[d - 1]`), else P_B(d + 1) + r + d * c."""
+    if draft_len == 0:
+        return 1.0
+    if batch == 1 and round_costs and draft_len <= len(round_costs):
+        return round_costs[draft_len - 1]
+    return pass_cost(pass_costs, draft_len + 1, batch) + round_cost + draft_len * cost
+
+
 def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0,
-                   pass_costs: list[float] | None = None) -> int:
-    """d* in 0..max_len maximising E(d) / C(d); the shortest on ties."""
+                   pass_costs: list[float] | None = None, round_costs: list[float] | None = None) -> int:
+    """d* in 0..max_len maximising E(d) / C(d) for a row priced alone; the shortest on ties."""
     best, best_rate = 0, 1.0
     for d in range(1, max_len + 1):
-        rate = expected_tokens(acceptance, d) / (pass_cost(pass_costs, d + 1) + round_cost + d * cost)
+        rate = expected_tokens(acceptance, d) / round_price(d, cost, round_cost, pass_costs, 1, round_costs)
         if rate > best_rate + 1e-12:
             best, best_rate = d, rate
     return best
@@ -117,13 +128,14 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
+                 round_costs: list[float] | None = None, decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
         if isinstance(pass_costs, list):
             pass_costs = {1: pass_costs}
         if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):
             raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
                              f"(and passes > 0: {pass_costs})")
         self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
+        self.round_costs = round_costs  # C(1..k) at batch 1, timed rounds of the decoder (or None)
         self.decay, self.prior, self.prior_weight, self.seen_decay = decay, prior, prior_weight, seen_decay
         self.seen_accepted = self.seen_offered = 0.0  # every row's decayed accepted / offered draft tokens
         self.priors: list[float] = []  # per row: the acceptance it started from
@@ -181,14 +193,14 @@ class AdaptiveDraftLength:
             tokens = sum(expected_tokens(self.acceptance(b), min(m, max_lens[b]) if b in sharing else lens[b])
                          for b in range(batch))
             width = max(m, fixed)
-            cost = 1.0 if width == 0 else (pass_cost(self.pass_costs, width + 1, batch) + self.round_cost
-                                           + width * self.cost)
+            cost = round_price(width, self.cost, self.round_cost, self.pass_costs, batch, self.round_costs)
             if best_rate is None or tokens / cost > best_rate + 1e-12:
                 best, best_rate = m, tokens / cost
         for b in shared:
             if best > 0:
                 lens[b] = min(best, max_lens[b])
-            elif best_draft_len(self.acceptance(b), self.cost, max_lens[b], self.round_cost, self.pass_costs) == 0:
+            elif best_draft_len(self.acceptance(b), self.cost, max_lens[b], self.round_cost, self.pass_costs,
+                                self.round_costs) == 0:
                 lens[b] = self._probe(b)  # backed off: its own drafts do not pay even alone
         return lens
 
@@ -197,7 +209,7 @@ class AdaptiveDraftLength:
         if cap <= 0:
             return 0
         self.cap[b] = cap
-        d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs)
+        d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs, self.round_costs)
         return d if d > 0 else self._probe(b)
 
     def _probe(self, b: int) -> int:
@@ -220,7 +232,7 @@ class AdaptiveDraftLength:
             self.seen_offered += min(a + 1, d)
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
             if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost,
-                              self.pass_costs) == 0:
+                              self.pass_costs, self.round_costs) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
             else:
                 self.wait[b], self.backoff[b] = 0, 1
@@ -239,7 +251,9 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
             draft = measured["per_token"]
         overhead = (measured["per_round"] if measured is not None and options.round_cost is None
                     else _given_or_device(options.round_cost, ROUND_OVERHEAD, device))
-        return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=decoder.pass_costs)
+        # Timed rounds price batch 1 as they are, unless a round cost is given (it prices the model's r).
+        rounds = measured.get("rounds") if measured is not None and options.round_cost is None else None
+        return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=decoder.pass_costs, round_costs=rounds)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)
     per_round = _given_or_device(options.round_cost, ROUND_COST, device)
     return AdaptiveDraftLength(draft + verify, round_cost=per_round)

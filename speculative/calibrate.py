@@ -42,7 +42,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16)  # running batches whose passes are measured; oth
 # slows a pass, and on a shared 2-core machine a median of 5 once stored SmolLM2's 2-position pass at
 # 1.09 one-token steps where undisturbed runs give 1.3-1.45 (so the policy drafted where it did not pay).
 REPS = 7  # timed passes per length (after two warm-up sweeps); the fastest counts
-DRAFT_LENS = (1, 3)  # fixed draft lengths whose rounds time the drafter (draft_costs)
+DRAFT_LENS = (1, 2, 3, 4)  # fixed draft lengths whose rounds time the drafter (draft_costs): D = 1..4
 DRAFT_CONTEXT = 64  # prompt tokens before the timed rounds
 DRAFT_ROUNDS = 8  # rounds timed per run
 REPS_ROUNDS = 3  # timed runs per draft length (after a warm-up sweep); the fastest counts
@@ -97,12 +97,13 @@ def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
     return monotone(list(remembered(key, measure, param.device)))
 
 
-def draft_costs(decoder) -> dict[str, float] | None:
+def draft_costs(decoder) -> dict | None:
     """What the decoder's drafter costs on this machine, relative to one round that drafts nothing (a plain
     step of the same runtime, drafter attached), fitted to rounds timed at fixed draft lengths DRAFT_LENS
     as C(d) - P(d + 1) = r + d * c: `per_token` (c, one more draft step) and `per_round` (r, the round's
-    first draft step over the accepted tokens and the bookkeeping of a drafting round), both >= 0.
-    None where calibration is off, the pass costs are not measured, or the proposer runs no module
+    first draft step over the accepted tokens and the bookkeeping of a drafting round), both >= 0; and
+    `rounds`, C(d) for d in DRAFT_LENS as timed (made non-decreasing): the policy prices rounds at batch 1
+    with them as they are, with no model between. None where calibration is off, the pass costs are not measured, or the proposer runs no module
     (prompt lookup: its cost is the pass's). Remembered per drafter architecture (kind and the shapes of
     the weights it runs), target model and dtype, as the pass costs are."""
     from draftsmith.speculative import kinds
@@ -119,14 +120,16 @@ def draft_costs(decoder) -> dict[str, float] | None:
     key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs|{type(target).__name__} "
            f"{_config_fingerprint(target)}|{kind.name} {drafter}")
 
-    def measure() -> dict[str, float]:
+    def measure() -> dict:
         timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS)
         (plain, plain_pass) = timed[0]
         if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
             extra = [timed[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
         else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
             extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
-        return fit_draft_costs(list(DRAFT_LENS), extra)
+        # and the rounds themselves, at batch 1 (adaptive.round_price): no model between them and the policy
+        rounds = monotone([timed[d][0] / plain for d in DRAFT_LENS])
+        return {**fit_draft_costs(list(DRAFT_LENS), extra), "rounds": rounds}
 
     return dict(remembered(key, measure, param.device))
 

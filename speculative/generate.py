@@ -178,7 +178,7 @@ class SpeculativeDecoder:
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
         self.pass_costs: dict[int, list[float]] | None = None
-        self.draft_costs: dict[str, float] | None = None
+        self.draft_costs: dict | None = None
         if self.small_gemm == "auto" or proposer is not None:
             with self.fast_linears():
                 if proposer is not None:

@@ -155,6 +155,7 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
     policy = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True), decoder)
     measured = decoder.draft_costs  # the drafter's steps, timed in rounds at fixed lengths
     assert (policy.cost, policy.round_cost) == (measured["per_token"], measured["per_round"])
+    assert policy.round_costs == measured["rounds"]  # batch-1 rounds priced as timed
     assert sorted(policy.pass_costs) == [1, 2, 4, 8, 16]  # per running batch size
     for costs in policy.pass_costs.values():
         assert len(costs) == 9 and costs[0] == 1.0 and all(c > 0 for c in costs)
@@ -164,6 +165,7 @@ def test_measured_costs_are_used_by_default_and_explicit_ones_win(target, machin
     overhead = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, round_cost=0.2),
                                 SpeculativeDecoder(target, proposer))
     assert overhead.pass_costs == policy.pass_costs and overhead.round_cost == 0.2  # measured passes stay
+    assert overhead.round_costs is None  # a given round cost prices batch 1 through the model
     linear = adaptive_lengths(DecodeOptions(draft_len=4, adaptive=True, verify_cost=0.3),
                               SpeculativeDecoder(target, proposer))
     assert linear.pass_costs is None and linear.cost == pytest.approx(draft + 0.3)
@@ -241,3 +243,24 @@ def test_a_joining_greedy_row_starts_from_the_acceptance_the_rows_before_it_saw(
     assert best_draft_len(policy.acceptance(1), 0.05, 4, 0.1, BATCH_COSTS) == 0  # it starts backed off
     policy.select([1, 2])  # rows leave: each keeps its own starting point
     assert policy.acceptance(0) < 0.1 and policy.acceptance(1) == pytest.approx(0.6)
+
+
+def test_timed_rounds_price_batch_one_and_the_model_prices_the_rest():
+    # Passes alone say a 5-position pass is cheap; the decoder's timed rounds say D=2..4 rounds are not.
+    cheap_passes = {1: [1.0, 1.05, 1.1, 1.15, 1.2], 4: [1.0, 1.3, 1.5, 2.2, 2.5]}
+    timed = [1.2, 1.9, 2.4, 2.9]
+    assert best_draft_len(0.5, 0.05, 4, 0.01, cheap_passes[1]) >= 2
+    assert best_draft_len(0.5, 0.05, 4, 0.01, cheap_passes[1], round_costs=timed) == 1
+    assert best_draft_len(0.15, 0.05, 4, 0.01, cheap_passes[1], round_costs=timed) == 0
+    policy = AdaptiveDraftLength(0.05, round_cost=0.01, pass_costs=cheap_passes, round_costs=timed, prior=0.5)
+    policy.add_rows(1)
+    assert policy.lengths([4]) == [1]  # one row: the timed rounds
+    policy = AdaptiveDraftLength(0.05, round_cost=0.01, pass_costs=cheap_passes, round_costs=timed, prior=0.5)
+    policy.add_rows(4)
+    assert policy.lengths([4] * 4) == [1] * 4  # four rows: the passes at batch 4 (P_4(2) + r + c = 1.36)
+    from draftsmith.speculative.adaptive import round_price
+
+    assert round_price(0, 0.05, 0.01, cheap_passes, 1, timed) == 1.0
+    assert round_price(2, 0.05, 0.01, cheap_passes, 1, timed) == 1.9
+    assert round_price(5, 0.05, 0.01, cheap_passes, 1, timed) == pytest.approx(cheap_passes[1][-1] * 6 / 5 + 0.26)
+    assert round_price(2, 0.05, 0.01, cheap_passes, 4, timed) == pytest.approx(1.5 + 0.11)
