@@ -13,7 +13,9 @@ P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is what one mor
 accepted tokens, a round's bookkeeping), both measured with the decoder's drafter when the decoder is
 built (calibrate.draft_costs: rounds timed at fixed draft lengths beside their target passes, remembered
 per drafter architecture); a proposer without a module of its own (prompt lookup) takes c = 0 and
-r = ROUND_OVERHEAD, and `round_cost` overrides r.
+r = ROUND_OVERHEAD, and `round_cost` overrides r. The same timing keeps the rounds themselves, C(1..4)
+at batch 1, and a row priced alone uses them as they are (`round_price`): passes timed alone and a
+fitted line priced SmolLM2's D=4 round at 1.75 steps on an AMD EPYC core where it cost 1.94.
 
 Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead:
 C(d) = 1 + r + d * (c + v), with c the drafter's matmul weights per drafted token over the target's
