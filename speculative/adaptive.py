@@ -130,7 +130,8 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 round_costs: list[float] | None = None, decay: float = 0.7, prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
+                 round_costs: list[float] | None = None, decay: float = 0.7, prior: float = 0.6,
+                 prior_weight: float = 1.0, seen_decay: float = 0.98):
         if isinstance(pass_costs, list):
             pass_costs = {1: pass_costs}
         if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):

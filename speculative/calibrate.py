@@ -7,8 +7,8 @@ size (BATCH_SIZES) since a round covers every row's drafts; and with it what the
 to a round (`draft_costs`: its steps are few-row matmuls and bookkeeping that no weight count prices).
 On an AMD EPYC core in float32, SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through
 F.linear; on an Intel Xeon with AMX, 1.1x at batch 1 and 1.5x at batch 2 (2 rows of 3 positions against
-2 one-token rows), and 1.6x over 5 tokens at batch 1. So they are measured on the machine that decodes, the first time
-they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
+2 one-token rows), and 1.6x over 5 tokens at batch 1. So they are measured on the machine that decodes,
+the first time they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
 version, thread count, dtype and what was measured. Later processes read the stored value instead of
 measuring, under a file lock, so every process on the machine makes the same choices: a seeded sampled
 request repeats exactly across processes, since its draft lengths depend only on its acceptance and these
@@ -19,7 +19,6 @@ instead of measuring (adaptive.py's VERIFY_COST and ROUND_COST; small_gemm's fix
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import json
@@ -103,9 +102,9 @@ def draft_costs(decoder) -> dict | None:
     as C(d) - P(d + 1) = r + d * c: `per_token` (c, one more draft step) and `per_round` (r, the round's
     first draft step over the accepted tokens and the bookkeeping of a drafting round), both >= 0; and
     `rounds`, C(d) for d in DRAFT_LENS as timed (made non-decreasing): the policy prices rounds at batch 1
-    with them as they are, with no model between. None where calibration is off, the pass costs are not measured, or the proposer runs no module
-    (prompt lookup: its cost is the pass's). Remembered per drafter architecture (kind and the shapes of
-    the weights it runs), target model and dtype, as the pass costs are."""
+    with them as they are, with no model between. None where calibration is off, the pass costs are not
+    measured, or the proposer runs no module (prompt lookup: its cost is the pass's). Remembered per drafter
+    architecture (kind and the shapes of the weights it runs), target model and dtype, as the pass costs are."""
     from draftsmith.speculative import kinds
 
     proposer = decoder.proposer
@@ -147,8 +146,8 @@ def fit_draft_costs(lens: list[int], extra: list[float]) -> dict[str, float]:
 
 
 def time_rounds(decoder, draft_lens, rounds: int, reps: int) -> dict[int, tuple[float, float]]:
-    """Per fixed draft length (0: rounds that draft nothing), the fewest seconds (over `reps` runs) of one of the decoder's
-    greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token random prompt,
+    """Per fixed draft length (0: rounds that draft nothing), the fewest seconds (over `reps` runs) of one
+    of the decoder's greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token random prompt,
     over `rounds` rounds after its first (where a drafter that reads the target's states takes in the
     prompt's). Random text is rarely drafted right, so nearly every round drafts its full length."""
     from draftsmith.speculative.engine import Engine
