@@ -202,8 +202,7 @@ class AdaptiveDraftLength:
         for b in shared:
             if best > 0:
                 lens[b] = min(best, max_lens[b])
-            elif best_draft_len(self.acceptance(b), self.cost, max_lens[b], self.round_cost, self.pass_costs,
-                                self.round_costs) == 0:
+            elif self._best_alone(b, max_lens[b]) == 0:
                 lens[b] = self._probe(b)  # backed off: its own drafts do not pay even alone
         return lens
 
@@ -212,8 +211,12 @@ class AdaptiveDraftLength:
         if cap <= 0:
             return 0
         self.cap[b] = cap
-        d = best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs, self.round_costs)
+        d = self._best_alone(b, cap)
         return d if d > 0 else self._probe(b)
+
+    def _best_alone(self, b: int, cap: int) -> int:
+        """What row b's acceptance pays for within `cap`, priced as a batch of one."""
+        return best_draft_len(self.acceptance(b), self.cost, cap, self.round_cost, self.pass_costs, self.round_costs)
 
     def _probe(self, b: int) -> int:
         """A backed-off row drafts one token once its wait is over (else counts the wait down)."""
@@ -234,8 +237,7 @@ class AdaptiveDraftLength:
             self.seen_accepted += min(a, d)
             self.seen_offered += min(a + 1, d)
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
-            if best_draft_len(self.acceptance(b), self.cost, max(self.cap[b], 1), self.round_cost,
-                              self.pass_costs, self.round_costs) == 0:
+            if self._best_alone(b, max(self.cap[b], 1)) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
             else:
                 self.wait[b], self.backoff[b] = 0, 1

@@ -8,8 +8,8 @@ to a round (`draft_costs`: its steps are few-row matmuls and bookkeeping that no
 On an AMD EPYC core in float32, SmolLM2-135M's pass over 3 tokens cost 2.0x a one-token step through
 F.linear; on an Intel Xeon with AMX, 1.1x at batch 1 and 1.5x at batch 2 (2 rows of 3 positions against
 2 one-token rows), and 1.6x over 5 tokens at batch 1. So they are measured on the machine that decodes,
-the first time they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or GPU), torch
-version, thread count, dtype and what was measured. Later processes read the stored value instead of
+the first time they are needed, and kept in `<cache>/machine.json` under a key naming the processor (or
+GPU), torch version, thread count, dtype and what was measured. Later processes read the stored value instead of
 measuring, under a file lock, so every process on the machine makes the same choices: a seeded sampled
 request repeats exactly across processes, since its draft lengths depend only on its acceptance and these
 stored numbers. Delete the file to measure again; `DRAFTSMITH_CALIBRATE=0` uses the built-in tables
@@ -147,9 +147,9 @@ def fit_draft_costs(lens: list[int], extra: list[float]) -> dict[str, float]:
 
 def time_rounds(decoder, draft_lens, rounds: int, reps: int) -> dict[int, tuple[float, float]]:
     """Per fixed draft length (0: rounds that draft nothing), the fewest seconds (over `reps` runs) of one
-    of the decoder's greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token random prompt,
-    over `rounds` rounds after its first (where a drafter that reads the target's states takes in the
-    prompt's). Random text is rarely drafted right, so nearly every round drafts its full length."""
+    of the decoder's greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token
+    random prompt, over `rounds` rounds after its first (where a drafter that reads the target's states
+    takes in the prompt's). Random text is rarely drafted right, so nearly every round drafts its full length."""
     from draftsmith.speculative.engine import Engine
     from draftsmith.speculative.options import DecodeOptions, Request
 
