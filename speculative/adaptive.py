@@ -13,9 +13,11 @@ P(3) = 1.1 and P(5) = 1.6; a GPU at small batch, next to 1). `c` is what one mor
 accepted tokens, a round's bookkeeping), both measured with the decoder's drafter when the decoder is
 built (calibrate.draft_costs: rounds timed at fixed draft lengths beside their target passes, remembered
 per drafter architecture); a proposer without a module of its own (prompt lookup) takes c = 0 and
-r = ROUND_OVERHEAD, and `round_cost` overrides r. The same timing keeps the rounds themselves, C(1..4)
-at batch 1, and a row priced alone uses them as they are (`round_price`): passes timed alone and a
-fitted line priced SmolLM2's D=4 round at 1.75 steps on an AMD EPYC core where it cost 1.94.
+r = ROUND_OVERHEAD, and `round_cost` overrides r. The same timing keeps the rounds themselves, C_B(1..4)
+for running batches of B = 1, 2 and 4 rows, and a round of such a batch (a row priced alone: B = 1) is
+priced as timed (`round_price`; sizes between interpolated, larger batches and longer drafts by the model):
+passes timed alone and a fitted line priced SmolLM2's D=4 round at 1.75 steps on an AMD EPYC core where it
+cost 1.94, and served batches of 2-4 rows priced by the model decoded at 0.83x plain.
 
 Where calibration is off (DRAFTSMITH_CALIBRATE=0) or `verify_cost` is given, the pass is linear instead:
 C(d) = 1 + r + d * (c + v), with c the drafter's matmul weights per drafted token over the target's
@@ -104,18 +106,35 @@ def _positions_cost(costs: list[float], positions: int) -> float:
 
 
 def round_price(draft_len: int, cost: float, round_cost: float, pass_costs, batch: int = 1,
-                round_costs: list[float] | None = None) -> float:
-    """C(d) of a round whose widest draft is `draft_len` (1 for 0): at batch 1 the decoder's timed round
-    where one was timed (`round_costs[d - 1]`), else P_B(d + 1) + r + d * c."""
+                round_costs: dict[int, list[float]] | list[float] | None = None) -> float:
+    """C(d) of a round whose widest draft is `draft_len` (1 for 0): the decoder's timed round at this
+    running batch where rounds were timed (`round_costs[B][d - 1]`; a batch between two timed sizes
+    interpolated), else P_B(d + 1) + r + d * c. A plain list of timed rounds is batch 1's."""
     if draft_len == 0:
         return 1.0
-    if batch == 1 and round_costs and draft_len <= len(round_costs):
-        return round_costs[draft_len - 1]
+    timed = timed_round(round_costs, draft_len, batch)
+    if timed is not None:
+        return timed
     return pass_cost(pass_costs, draft_len + 1, batch) + round_cost + draft_len * cost
 
 
+def timed_round(round_costs: dict[int, list[float]] | list[float] | None, draft_len: int, batch: int) -> float | None:
+    """C_B(d) from rounds timed at running batches around `batch` (interpolated between the two nearest
+    timed sizes), or None where no timed size reaches `batch` or no timed round is `draft_len` long."""
+    if isinstance(round_costs, list):
+        round_costs = {1: round_costs}
+    sizes = sorted(b for b, costs in (round_costs or {}).items() if draft_len <= len(costs))
+    if not sizes or not sizes[0] <= batch <= sizes[-1]:
+        return None
+    below = max(s for s in sizes if s <= batch)
+    above = min(s for s in sizes if s >= batch)
+    low, high = round_costs[below][draft_len - 1], round_costs[above][draft_len - 1]
+    return low if above == below else low + (high - low) * (batch - below) / (above - below)
+
+
 def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0,
-                   pass_costs: list[float] | None = None, round_costs: list[float] | None = None) -> int:
+                   pass_costs: list[float] | None = None,
+                   round_costs: dict[int, list[float]] | list[float] | None = None) -> int:
     """d* in 0..max_len maximising E(d) / C(d) for a row priced alone; the shortest on ties."""
     best, best_rate = 0, 1.0
     for d in range(1, max_len + 1):
@@ -130,7 +149,7 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 round_costs: list[float] | None = None, decay: float = 0.7, prior: float = 0.6,
+                 round_costs: dict[int, list[float]] | list[float] | None = None, decay: float = 0.7, prior: float = 0.6,
                  prior_weight: float = 1.0, seen_decay: float = 0.98):
         if isinstance(pass_costs, list):
             pass_costs = {1: pass_costs}
@@ -138,7 +157,9 @@ class AdaptiveDraftLength:
             raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
                              f"(and passes > 0: {pass_costs})")
         self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
-        self.round_costs = round_costs  # C(1..k) at batch 1, timed rounds of the decoder (or None)
+        if isinstance(round_costs, list):
+            round_costs = {1: round_costs}
+        self.round_costs = round_costs  # {B: C_B(1..k)}, the decoder's timed rounds per running batch (or None)
         self.decay, self.prior, self.prior_weight, self.seen_decay = decay, prior, prior_weight, seen_decay
         self.seen_accepted = self.seen_offered = 0.0  # every row's decayed accepted / offered draft tokens
         self.priors: list[float] = []  # per row: the acceptance it started from
@@ -180,7 +201,8 @@ class AdaptiveDraftLength:
         what pays for a batch of one. The others share the round: the batch's verification pass is as wide
         as its longest draft, so with measured passes they draft one common length m (each within its
         cap), the m that emits the most tokens over all rows per unit of the round's cost at the running
-        batch's size, C = P_B(w + 1) + r + w * c for the widest draft w (1 for w = 0). A pass over B rows
+        batch's size B, C_B(w) for the widest draft w (`round_price`: as timed, else the model; 1 for
+        w = 0). A pass over B rows
         of n positions costs more against B one-token rows than one row's does, so a fuller batch drafts
         less, and from some size not at all. Greedy rows emit the same tokens whatever they draft."""
         lens = [self._alone_length(b, cap) if self.alone[b] or self.pass_costs is None else 0
@@ -256,7 +278,7 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
             draft = measured["per_token"]
         overhead = (measured["per_round"] if measured is not None and options.round_cost is None
                     else _given_or_device(options.round_cost, ROUND_OVERHEAD, device))
-        # Timed rounds price batch 1 as they are, unless a round cost is given (it prices the model's r).
+        # Timed rounds price their batches as they are, unless a round cost is given (it prices the model's r).
         rounds = measured.get("rounds") if measured is not None and options.round_cost is None else None
         return AdaptiveDraftLength(draft, round_cost=overhead, pass_costs=decoder.pass_costs, round_costs=rounds)
     verify = _given_or_device(options.verify_cost, VERIFY_COST, device)

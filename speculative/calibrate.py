@@ -42,6 +42,7 @@ BATCH_SIZES = (1, 2, 4, 8, 16)  # running batches whose passes are measured; oth
 # 1.09 one-token steps where undisturbed runs give 1.3-1.45 (so the policy drafted where it did not pay).
 REPS = 7  # timed passes per length (after two warm-up sweeps); the fastest counts
 DRAFT_LENS = (1, 2, 3, 4)  # fixed draft lengths whose rounds time the drafter (draft_costs): D = 1..4
+ROUND_BATCHES = (1, 2, 4)  # running batches whose rounds are timed; larger ones are priced by the pass model
 DRAFT_CONTEXT = 64  # prompt tokens before the timed rounds
 DRAFT_ROUNDS = 8  # rounds timed per run
 REPS_ROUNDS = 3  # timed runs per draft length (after a warm-up sweep); the fastest counts
@@ -101,10 +102,12 @@ def draft_costs(decoder) -> dict | None:
     step of the same runtime, drafter attached), fitted to rounds timed at fixed draft lengths DRAFT_LENS
     as C(d) - P(d + 1) = r + d * c: `per_token` (c, one more draft step) and `per_round` (r, the round's
     first draft step over the accepted tokens and the bookkeeping of a drafting round), both >= 0; and
-    `rounds`, C(d) for d in DRAFT_LENS as timed (made non-decreasing): the policy prices rounds at batch 1
-    with them as they are, with no model between. None where calibration is off, the pass costs are not
-    measured, or the proposer runs no module (prompt lookup: its cost is the pass's). Remembered per drafter
-    architecture (kind and the shapes of the weights it runs), target model and dtype, as the pass costs are."""
+    `rounds`, {B: C_B(d) for d in DRAFT_LENS} for each running batch B in ROUND_BATCHES, as timed (B rows
+    drafting d tokens each, against B rows drafting nothing; made non-decreasing in d): the policy prices
+    rounds of those batches with them as they are, with no model between. None where calibration is off,
+    the pass costs are not measured, or the proposer runs no module (prompt lookup: its cost is the pass's).
+    Remembered per drafter architecture (kind and the shapes of the weights it runs), target model and
+    dtype, as the pass costs are."""
     from draftsmith.speculative import kinds
 
     proposer = decoder.proposer
@@ -116,21 +119,28 @@ def draft_costs(decoder) -> dict | None:
     param = next(target.parameters())
     shapes = [(name, tuple(p.shape), str(p.dtype)) for m in modules for name, p in m.named_parameters()]
     drafter = hashlib.sha256(f"{kind.name}|{shapes}".encode()).hexdigest()[:16]
-    key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs|{type(target).__name__} "
+    # "by batch": the costs stored before rounds were timed per running batch (batch 1 only) are measured again
+    key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs by batch|{type(target).__name__} "
            f"{_config_fingerprint(target)}|{kind.name} {drafter}")
 
     def measure() -> dict:
-        timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS)
-        (plain, plain_pass) = timed[0]
-        if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
-            extra = [timed[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
-        else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
-            extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
-        # and the rounds themselves, at batch 1 (adaptive.round_price): no model between them and the policy
-        rounds = monotone([timed[d][0] / plain for d in DRAFT_LENS])
-        return {**fit_draft_costs(list(DRAFT_LENS), extra), "rounds": rounds}
+        rounds = {}
+        for batch in ROUND_BATCHES:
+            timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS, batch)
+            plain, plain_pass = timed[0]
+            if batch == 1:
+                if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
+                    extra = [timed[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
+                else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
+                    extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
+                fitted = fit_draft_costs(list(DRAFT_LENS), extra)
+            # the rounds themselves (adaptive.round_price): no model between them and the policy
+            rounds[str(batch)] = monotone([timed[d][0] / plain for d in DRAFT_LENS])
+        return {**fitted, "rounds": rounds}
 
-    return dict(remembered(key, measure, param.device))
+    measured = dict(remembered(key, measure, param.device))
+    measured["rounds"] = {int(batch): list(costs) for batch, costs in measured["rounds"].items()}
+    return measured
 
 
 def fit_draft_costs(lens: list[int], extra: list[float]) -> dict[str, float]:
@@ -145,22 +155,25 @@ def fit_draft_costs(lens: list[int], extra: list[float]) -> dict[str, float]:
     return {"per_token": round(c, 4), "per_round": round(r, 4)}
 
 
-def time_rounds(decoder, draft_lens, rounds: int, reps: int) -> dict[int, tuple[float, float]]:
+def time_rounds(decoder, draft_lens, rounds: int, reps: int, batch: int = 1) -> dict[int, tuple[float, float]]:
     """Per fixed draft length (0: rounds that draft nothing), the fewest seconds (over `reps` runs) of one
-    of the decoder's greedy rounds and of the target's pass in it: one row after a DRAFT_CONTEXT-token
-    random prompt, over `rounds` rounds after its first (where a drafter that reads the target's states
-    takes in the prompt's). Random text is rarely drafted right, so nearly every round drafts its full length."""
+    of the decoder's greedy rounds and of the target's pass in it: `batch` rows, each after its own
+    DRAFT_CONTEXT-token random prompt, over `rounds` rounds after their first (where a drafter that reads
+    the target's states takes in the prompts'). Random text is rarely drafted right, so nearly every round
+    drafts its full length."""
     from draftsmith.speculative.engine import Engine
     from draftsmith.speculative.options import DecodeOptions, Request
 
     g = torch.Generator().manual_seed(0)
-    prompt = tuple(torch.randint(0, decoder.vocab_size, (DRAFT_CONTEXT,), generator=g).tolist())
+    prompts = [tuple(torch.randint(0, decoder.vocab_size, (DRAFT_CONTEXT,), generator=g).tolist())
+               for _ in range(batch)]
     budget = (max(draft_lens) + 1) * (rounds + 2)
     times: dict[int, list[tuple[float, float]]] = {d: [] for d in draft_lens}
     for rep in range(reps + 1):  # the first sweep warms up
         for d in draft_lens[rep % len(draft_lens):] + draft_lens[: rep % len(draft_lens)]:
             engine = Engine(decoder, DecodeOptions(draft_len=d))
-            engine.add(Request(prompt, max_new_tokens=budget, ignore_eos=True))
+            for prompt in prompts:
+                engine.add(Request(prompt, max_new_tokens=budget, ignore_eos=True))
             engine.step()  # the prefill and the first round
             stats = engine.run.stats
             target_before, t0 = stats.target_s, time.perf_counter()

@@ -7,6 +7,7 @@ import multiprocessing
 import pytest
 
 from draftsmith.speculative import calibrate
+from draftsmith.speculative.adaptive import AdaptiveDraftLength, round_price
 
 
 def test_remembered_measures_once_and_later_processes_read_it(machine_cache):
@@ -63,6 +64,23 @@ def test_measured_pass_costs_are_made_non_decreasing():
     assert smoothed == sorted(smoothed) and smoothed[1:4] == [pytest.approx(1.2)] * 3 and smoothed[4] == 2.0
 
 
+def test_rounds_timed_per_running_batch_price_those_batches_and_the_model_prices_larger_ones():
+    # Passes alone say 4 rows of 3 positions are cheap; the rounds timed at 4 rows say drafting does not pay.
+    cheap_passes = {1: [1.0, 1.05, 1.1, 1.15, 1.2], 4: [1.0, 1.1, 1.2, 1.3, 1.4], 8: [1.0, 1.2, 1.4, 1.6, 1.8]}
+    timed = {1: [1.2, 1.3, 1.4, 1.5], 4: [1.6, 2.0, 2.5, 3.0]}
+    assert round_price(1, 0.05, 0.01, cheap_passes, 4, timed) == 1.6
+    assert round_price(2, 0.05, 0.01, cheap_passes, 2, timed) == pytest.approx(1.3 + (2.0 - 1.3) / 3)  # between
+    assert round_price(2, 0.05, 0.01, cheap_passes, 8, timed) == pytest.approx(1.4 + 0.11)  # beyond: the model
+    policy = AdaptiveDraftLength(0.05, round_cost=0.01, pass_costs=cheap_passes, round_costs=timed, prior=0.5)
+    policy.add_rows(4)
+    assert policy.lengths([4] * 4) == [0] * 4  # 4 rows at a = 0.5: 1.5 tokens each for 1.6 steps does not pay
+    untimed = AdaptiveDraftLength(0.05, round_cost=0.01, pass_costs=cheap_passes, round_costs=timed[1], prior=0.5)
+    untimed.add_rows(4)
+    assert untimed.lengths([4] * 4) == [2] * 4  # batch 1 timed only: the cheap batch-4 passes say D=2 pays
+    policy.add_rows(4)
+    assert policy.lengths([4] * 8) == [1] * 8  # 8 rows: priced by the model (P_8(2) + r + c = 1.26)
+
+
 def test_a_drafters_costs_are_a_line_fitted_to_what_its_rounds_add():
     assert calibrate.fit_draft_costs([1, 3], [0.15, 0.31]) == {"per_token": 0.08, "per_round": 0.07}
     assert calibrate.fit_draft_costs([1, 2, 4], [0.2, 0.19, 0.18]) == {"per_token": 0.0, "per_round": 0.19}
@@ -80,8 +98,10 @@ def test_draft_costs_are_measured_per_drafter_and_remembered(target, machine_cac
     large = SpeculativeDecoder(target, DraftModelProposer(tiny_model(2, num_layers=4, hidden_size=256)))
     assert set(small.draft_costs) == {"per_token", "per_round", "rounds"}
     assert small.draft_costs["per_token"] >= 0 and small.draft_costs["per_round"] >= 0
-    rounds = small.draft_costs["rounds"]  # C(1..4) at batch 1, each against a round drafting nothing
-    assert len(rounds) == 4 and rounds == sorted(rounds) and rounds[0] >= 1.0
+    rounds = small.draft_costs["rounds"]  # C_B(1..4) per running batch B, each against B rows drafting nothing
+    assert sorted(rounds) == list(calibrate.ROUND_BATCHES) == [1, 2, 4]
+    for costs in rounds.values():
+        assert len(costs) == 4 and costs == sorted(costs) and costs[0] >= 1.0
     # four wide layers per draft step cost more than one narrow one (each measured under its own key)
     assert large.draft_costs["per_token"] > small.draft_costs["per_token"]
     assert json.loads(machine_cache.read_text()).keys() >= {k for k in calibrate._memory if "draft costs" in k}
@@ -90,6 +110,9 @@ def test_draft_costs_are_measured_per_drafter_and_remembered(target, machine_cac
     monkeypatch.setattr(calibrate, "time_rounds", lambda *a: calls.append(a))
     again = SpeculativeDecoder(target, DraftModelProposer(tiny_model(3, num_layers=1)))  # same shapes: read
     assert again.draft_costs == small.draft_costs and not calls
+    calibrate._memory.clear()  # a later process: read back from machine.json, batch sizes as numbers again
+    assert SpeculativeDecoder(target, DraftModelProposer(tiny_model(3, num_layers=1))).draft_costs == small.draft_costs
+    assert not calls
     assert SpeculativeDecoder(target, NGramProposer()).draft_costs is None  # nothing of its own to time
     monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
     assert SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1))).draft_costs is None
