@@ -51,7 +51,10 @@ Verification stays exact whatever the lengths.
 Back-off: a row whose estimate says no draft pays decodes plainly, and still tries one draft token after
 `wait` rounds to see whether its text has become predictable (a code block after prose, a quoted
 passage); each probe that fails doubles the wait (up to MAX_WAIT), one that lifts the estimate back
-resets it. Where drafts are rejected the overhead is then one draft token every MAX_WAIT rounds.
+resets it. Where drafts are rejected the overhead is then one draft token every MAX_WAIT rounds. In a
+running batch a probe widens every row's pass, so the greedy rows probe together: when one's wait is over
+all of them draft one token in that round, and a greedy request that joins backed off (the acceptance the
+engine has seen does not pay) takes the running rows' schedule instead of probing at once.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ class AdaptiveDraftLength:
         self.round_costs = round_costs  # {B: C_B(1..k)}, the decoder's timed rounds per running batch (or None)
         self.decay, self.prior, self.prior_weight, self.seen_decay = decay, prior, prior_weight, seen_decay
         self.seen_accepted = self.seen_offered = 0.0  # every row's decayed accepted / offered draft tokens
+        self.seen_backoff = 1  # the wait after the latest failed probe of any greedy row (1 after a lift)
         self.priors: list[float] = []  # per row: the acceptance it started from
         self.accepted: list[float] = []  # per row: decayed accepted draft tokens
         self.offered: list[float] = []  # per row: decayed offered ones (up to the first rejected)
@@ -179,6 +183,16 @@ class AdaptiveDraftLength:
         self.cap += [1] * n
         self.alone += list(alone) if alone is not None else [False] * n
         self.priors += [self.prior if a else self.starting_acceptance() for a in self.alone[-n:]]
+        # A greedy row that starts backed off (the acceptance the running rows saw does not pay for drafts)
+        # joins the running rows' probe schedule instead of probing at once: in a batch every probe widens
+        # the whole batch's pass, so the rows' probes are made in the same rounds (`lengths`).
+        cap = max(self.cap, default=1)
+        joined = range(len(self.alone) - n, len(self.alone))
+        backed = [b for b in range(len(self.alone) - n) if not self.alone[b] and self._best_alone(b, cap) == 0]
+        for b in joined:
+            if not self.alone[b] and self.seen_offered > 0 and self._best_alone(b, cap) == 0:
+                self.wait[b] = min((self.wait[r] for r in backed), default=self.seen_backoff)
+                self.backoff[b] = self.seen_backoff
 
     def starting_acceptance(self) -> float:
         """What a joining greedy row starts from: the acceptance every row saw lately, shrunk toward
@@ -221,11 +235,20 @@ class AdaptiveDraftLength:
             cost = round_price(width, self.cost, self.round_cost, self.pass_costs, batch, self.round_costs)
             if best_rate is None or tokens / cost > best_rate + 1e-12:
                 best, best_rate = m, tokens / cost
-        for b in shared:
-            if best > 0:
+        if best > 0:
+            for b in shared:
                 lens[b] = min(best, max_lens[b])
-            elif self._best_alone(b, max_lens[b]) == 0:
-                lens[b] = self._probe(b)  # backed off: its own drafts do not pay even alone
+            return lens
+        # Backed-off rows (their own drafts do not pay even alone) probe in the same rounds: once one's wait
+        # is over the pass is two positions wide for the whole batch anyway, so every shared row drafts one
+        # token in it (the others count their waits down), and a batch pays for one wide round, not one per row.
+        backed = [b for b in shared if self._best_alone(b, max_lens[b]) == 0]
+        if any(self.wait[b] <= 0 for b in backed):
+            for b in shared:
+                lens[b] = 1
+        else:
+            for b in backed:
+                self.wait[b] -= 1
         return lens
 
     def _alone_length(self, b: int, cap: int) -> int:
@@ -261,8 +284,12 @@ class AdaptiveDraftLength:
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
             if self._best_alone(b, max(self.cap[b], 1)) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)
+                if not self.alone[b]:
+                    self.seen_backoff = self.backoff[b]
             else:
                 self.wait[b], self.backoff[b] = 0, 1
+                if not self.alone[b]:
+                    self.seen_backoff = 1
 
 
 def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:

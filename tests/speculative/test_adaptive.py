@@ -223,6 +223,30 @@ def test_the_common_length_follows_the_rows_acceptance_and_backed_off_rows_still
     assert rejected.lengths([4] * 4) == [0] * 4 and rejected.wait == [0] * 4  # then wait (1 round)
 
 
+def probe_rounds(joins: tuple[int, ...], rounds: int = 96) -> list[int]:
+    """The rounds in which a batch drafts at all, requests joining at `joins`, no draft ever accepted."""
+    policy, rows, drafted = AdaptiveDraftLength(0.05, round_cost=0.1, pass_costs=BATCH_COSTS), 0, []
+    for step in range(rounds):
+        if step in joins:
+            policy.add_rows(1)
+            rows += 1
+        lens = policy.lengths([4] * rows)
+        assert len(set(lens)) == 1  # the rows draft in the same rounds, or none does
+        if lens[0] > 0:
+            drafted.append(step)
+        policy.observe(lens, [0] * rows)
+    return drafted
+
+
+def test_backed_off_rows_of_a_batch_probe_in_the_same_rounds():
+    alone = probe_rounds((0,))
+    assert alone == [0, 1, 2, 4, 7, 12, 21, 38, 71]  # the waits double: 1, 2, 4 ... 32 rounds
+    # Three requests join a running batch that has seen its drafts rejected: they take its schedule instead
+    # of each probing at once and then on a schedule of their own (27 rounds of 96 drafted one token, each
+    # widening the whole batch's pass, where every row probed on its own).
+    assert probe_rounds((0, 8, 16, 24)) == alone
+
+
 def test_sampled_rows_are_priced_alone_whatever_runs_beside_them():
     lens = shared_policy(8, alone=[True] + [False] * 7).lengths([4] * 8)
     assert lens[0] == 2  # the sampled row drafts what pays at batch 1, as in any batch
