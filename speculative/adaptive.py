@@ -51,14 +51,10 @@ Verification stays exact whatever the lengths.
 Back-off: a row whose estimate says no draft pays decodes plainly, and still tries one draft token after
 `wait` rounds to see whether its text has become predictable (a code block after prose, a quoted
 passage); each probe that fails doubles the wait (up to MAX_WAIT), one that lifts the estimate back
-resets it. A greedy row's probe is a shadow probe: its one draft token is not verified but compared with
-the token the row's plain step emits (the same test a verified greedy draft passes), so it costs the
-drafter's step and no wider pass (on one AMD EPYC core a D=1 round cost 1.46 plain steps, a drafter step
-about 0.09); sampled rows, priced alone, probe with a verified draft token. Where drafts are rejected the
-overhead is then one draft step every MAX_WAIT rounds. The greedy rows of a batch probe together: when
-one's wait is over all of them draft one token in that round, and a greedy request that joins backed off
-(the acceptance the engine has seen does not pay) takes the running rows' schedule instead of probing at
-once.
+resets it. Where drafts are rejected the overhead is then one draft token every MAX_WAIT rounds. In a
+running batch a probe widens every row's pass, so the greedy rows probe together: when one's wait is over
+all of them draft one token in that round, and a greedy request that joins backed off (the acceptance the
+engine has seen does not pay) takes the running rows' schedule instead of probing at once.
 """
 
 from __future__ import annotations
