@@ -173,7 +173,6 @@ class AdaptiveDraftLength:
         self.backoff: list[int] = []  # per row: the wait after the next failed probe
         self.cap: list[int] = []  # per row: its latest most draft tokens (D, within its budget)
         self.alone: list[bool] = []  # per row: its lengths must not depend on the batch (sampled rows)
-        self.shadow: list[bool] = []  # per row, this round: its one draft token is a shadow probe (`lengths`)
 
     def add_rows(self, n: int, alone: list[bool] | None = None) -> None:
         """`n` rows join; `alone[i]`: row i is priced as if it ran alone (see `lengths`)."""
@@ -220,7 +219,6 @@ class AdaptiveDraftLength:
         w = 0). A pass over B rows
         of n positions costs more against B one-token rows than one row's does, so a fuller batch drafts
         less, and from some size not at all. Greedy rows emit the same tokens whatever they draft."""
-        self.shadow = [False] * len(max_lens)
         lens = [self._alone_length(b, cap) if self.alone[b] or self.pass_costs is None else 0
                 for b, cap in enumerate(max_lens)]
         shared = [b for b, cap in enumerate(max_lens) if cap > 0 and not self.alone[b] and self.pass_costs]
@@ -241,15 +239,13 @@ class AdaptiveDraftLength:
             for b in shared:
                 lens[b] = min(best, max_lens[b])
             return lens
-        # Backed-off rows (their own drafts do not pay even alone) probe in the same rounds, and in the
-        # shadow: once one's wait is over every shared row drafts one token that the round does not verify
-        # (no wider pass); it is compared with the token the row's plain step emits, which for a greedy row
-        # is exactly whether a verified draft would have been accepted (the runtime, `shadow`). A probe
-        # then costs the drafter's step, not a pass over two positions for the whole batch.
+        # Backed-off rows (their own drafts do not pay even alone) probe in the same rounds: once one's wait
+        # is over the pass is two positions wide for the whole batch anyway, so every shared row drafts one
+        # token in it (the others count their waits down), and a batch pays for one wide round, not one per row.
         backed = [b for b in shared if self._best_alone(b, max_lens[b]) == 0]
         if any(self.wait[b] <= 0 for b in backed):
             for b in shared:
-                lens[b], self.shadow[b] = 1, True
+                lens[b] = 1
         else:
             for b in backed:
                 self.wait[b] -= 1

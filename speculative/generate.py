@@ -67,7 +67,6 @@ class DecodeStats:
     accepted: list[int] = field(default_factory=list)  # [D]: ... and accepted it
     drafted: int = 0  # draft tokens proposed, over all rounds (fewer than D per round with a confidence stop)
     leaf_accepts: int = 0  # rounds in which a sibling leaf replaced a rejected draft token (tree.py)
-    shadow_probes: int = 0  # one-token drafts compared with the emitted token, not verified (adaptive.py)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0  # target forward passes of the rounds
@@ -123,7 +122,6 @@ class DecodeStats:
             "offered": self.offered,
             "accepted": self.accepted,
             "leaf_accepts": self.leaf_accepts,
-            "shadow_probes": self.shadow_probes,
             "tokens_per_s": self.tokens_per_s,
             "time_s": {
                 "prefill": self.prefill_s,
@@ -284,7 +282,6 @@ class _Run:
         self.target_hidden: torch.Tensor | None = None  # [B, H] for proposers that read it
         self.hidden_ready: list[bool] = []  # per row: target_hidden holds its state (not a row that just joined)
         self.leaves: Leaves | None = None  # this round's sibling leaves (tree.py)
-        self.shadow_tokens: dict[int, int] = {}  # this round: row -> its shadow probe's token (`unverified`)
         self.rounds_run = 0
         self.adaptive = adaptive_lengths(self.options, decoder) if self.options.draft_len > 0 else None
 
@@ -378,30 +375,13 @@ class _Run:
         proposer, batch = self.proposer, len(self.rows)
         if proposer is not None and proposer.needs_target_hidden:  # rows that just joined have no state yet
             max_lens = [m if ready else 0 for m, ready in zip(max_lens, self.hidden_ready)]
-        self.shadow_tokens = {}
         if self.adaptive is not None:  # each row's own length, from its acceptance so far
             max_lens = self.adaptive.lengths(max_lens)
         if proposer is None or max(max_lens) <= 0 or (proposer.needs_target_hidden and self.target_hidden is None):
             return Draft.empty(batch, self.d.device)
         ctx = RoundContext(self.history, max_lens, self.sampling, self.rng, self.options, self.target_hidden,
                            check=self.check, **self.row_drafting())
-        draft = proposer.propose(ctx)
-        shadow = self.adaptive.shadow if self.adaptive is not None else []
-        return self.unverified(draft, shadow) if any(shadow) else draft
-
-    def unverified(self, draft: Draft, shadow: list[bool]) -> Draft:
-        """The draft without the shadow probes' tokens (adaptive.py: greedy rows whose one draft token is
-        compared with the token their plain step emits, not verified): kept in `shadow_tokens` for
-        `accept`, and the pass is only as wide as the verified drafts. The proposer fed none of them (a
-        chain's last draft token is never fed), so its rollback sees a rejected draft."""
-        lens = draft.lens.clone()
-        for b, (probe, n) in enumerate(zip(shadow, draft.lens.tolist())):
-            if probe and n > 0:
-                self.shadow_tokens[b] = int(draft.tokens[b, 0])
-                lens[b] = 0
-        width = int(lens.max()) if len(lens) else 0
-        return Draft(draft.tokens[:, :width], lens, None if draft.probs is None else draft.probs[:, :width],
-                     None if draft.alternatives is None else draft.alternatives[:, :width])
+        return proposer.propose(ctx)
 
     def row_drafting(self) -> dict[str, list]:
         """Each row's confidence stop, sibling leaves (within the batch's A: the engine sizes the pass)
@@ -457,12 +437,9 @@ class _Run:
         budget); the emitted tokens per row and which rows are finished."""
         num_accepted, drafted = out.num_accepted.tolist(), draft.lens.tolist()
         self.stats.record(num_accepted, drafted)
+        if self.adaptive is not None:
+            self.adaptive.observe(drafted, num_accepted)
         emitted = [row[: n + 1] for row, n in zip(out.tokens.tolist(), num_accepted)]
-        if self.adaptive is not None:  # a shadow probe: accepted when it is the token the row emitted
-            probed = {b: (1, int(token == emitted[b][0])) for b, token in self.shadow_tokens.items()}
-            self.stats.shadow_probes += len(probed)
-            self.adaptive.observe([probed.get(b, (d, 0))[0] for b, d in enumerate(drafted)],
-                                  [probed.get(b, (0, a))[1] for b, a in enumerate(num_accepted)])
         before = self.stats.new_tokens
         finished = [self.emit(b, e) for b, e in enumerate(emitted)]
         self.stats.round_tokens.append(self.stats.new_tokens - before)

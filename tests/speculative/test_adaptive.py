@@ -234,7 +234,6 @@ def probe_rounds(joins: tuple[int, ...], rounds: int = 96) -> list[int]:
         assert len(set(lens)) == 1  # the rows draft in the same rounds, or none does
         if lens[0] > 0:
             drafted.append(step)
-            assert all(policy.shadow) == (step > 2)  # drafting from the prior, then probes in the shadow
         policy.observe(lens, [0] * rows)
     return drafted
 

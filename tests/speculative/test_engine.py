@@ -92,8 +92,7 @@ def test_greedy_requests_joining_and_leaving_equal_the_target_alone(kind, adapti
     if kind == "same" and not adaptive:
         assert stats.acceptance_length > 2.0
     if adaptive and kind in ("random", "same"):  # rejected drafts, or a drafter as costly as the target:
-        assert stats.mean_draft_len < 1.0  # rows back off to plain decoding, and still probe (in the shadow)
-        assert stats.mean_draft_len > 0 or stats.shadow_probes > 0
+        assert 0 < stats.mean_draft_len < 1.0    # rows back off to plain decoding, and still probe
 
 
 SAMPLED = [SamplingParams(0.9, seed=5), SamplingParams(0.0), SamplingParams(1.2, top_k=20, top_p=0.95, seed=9),
