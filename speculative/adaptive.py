@@ -91,15 +91,22 @@ def pass_cost(pass_costs: dict[int, list[float]] | list[float] | None, positions
     per-token cost holds it. A plain list is batch 1's."""
     if not pass_costs:
         return 1.0
-    if isinstance(pass_costs, list):
-        pass_costs = {1: pass_costs}
-    sizes = sorted(pass_costs)
+    return _interpolated({b: _positions_cost(costs, positions) for b, costs in by_batch(pass_costs).items()}, batch)
+
+
+def by_batch(costs: dict[int, list[float]] | list[float] | None) -> dict[int, list[float]] | None:
+    """Costs keyed by running batch size: a plain list is batch 1's (None stays None)."""
+    return {1: costs} if isinstance(costs, list) else costs
+
+
+def _interpolated(by_size: dict[int, float], batch: int) -> float:
+    """The value at `batch` from values at measured batch sizes: between two of them linear, beyond them
+    the nearest one's."""
+    sizes = sorted(by_size)
     below = max((s for s in sizes if s <= batch), default=sizes[0])
     above = min((s for s in sizes if s >= batch), default=sizes[-1])
-    low, high = _positions_cost(pass_costs[below], positions), _positions_cost(pass_costs[above], positions)
-    if above == below:
-        return low
-    return low + (high - low) * (batch - below) / (above - below)
+    low, high = by_size[below], by_size[above]
+    return low if above == below else low + (high - low) * (batch - below) / (above - below)
 
 
 def _positions_cost(costs: list[float], positions: int) -> float:
@@ -124,15 +131,10 @@ def round_price(draft_len: int, cost: float, round_cost: float, pass_costs, batc
 def timed_round(round_costs: dict[int, list[float]] | list[float] | None, draft_len: int, batch: int) -> float | None:
     """C_B(d) from rounds timed at running batches around `batch` (interpolated between the two nearest
     timed sizes), or None where no timed size reaches `batch` or no timed round is `draft_len` long."""
-    if isinstance(round_costs, list):
-        round_costs = {1: round_costs}
-    sizes = sorted(b for b, costs in (round_costs or {}).items() if draft_len <= len(costs))
-    if not sizes or not sizes[0] <= batch <= sizes[-1]:
+    timed = {b: costs[draft_len - 1] for b, costs in (by_batch(round_costs) or {}).items() if draft_len <= len(costs)}
+    if not timed or not min(timed) <= batch <= max(timed):
         return None
-    below = max(s for s in sizes if s <= batch)
-    above = min(s for s in sizes if s >= batch)
-    low, high = round_costs[below][draft_len - 1], round_costs[above][draft_len - 1]
-    return low if above == below else low + (high - low) * (batch - below) / (above - below)
+    return _interpolated(timed, batch)
 
 
 def best_draft_len(acceptance: float, cost: float, max_len: int, round_cost: float = 0.0,
@@ -152,17 +154,14 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 round_costs: dict[int, list[float]] | list[float] | None = None, decay: float = 0.7, prior: float = 0.6,
-                 prior_weight: float = 1.0, seen_decay: float = 0.98):
-        if isinstance(pass_costs, list):
-            pass_costs = {1: pass_costs}
+                 round_costs: dict[int, list[float]] | list[float] | None = None, decay: float = 0.7,
+                 prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
+        pass_costs = by_batch(pass_costs)
         if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):
             raise ValueError(f"draft costs must be >= 0, got {cost} per token and {round_cost} per round "
                              f"(and passes > 0: {pass_costs})")
         self.cost, self.round_cost, self.pass_costs = cost, round_cost, pass_costs
-        if isinstance(round_costs, list):
-            round_costs = {1: round_costs}
-        self.round_costs = round_costs  # {B: C_B(1..k)}, the decoder's timed rounds per running batch (or None)
+        self.round_costs = by_batch(round_costs)  # {B: C_B(1..k)}: the decoder's timed rounds per batch, or None
         self.decay, self.prior, self.prior_weight, self.seen_decay = decay, prior, prior_weight, seen_decay
         self.seen_accepted = self.seen_offered = 0.0  # every row's decayed accepted / offered draft tokens
         self.seen_backoff = 1  # the wait after the latest failed probe of any greedy row (1 after a lift)
@@ -186,13 +185,13 @@ class AdaptiveDraftLength:
         # A greedy row that starts backed off (the acceptance the running rows saw does not pay for drafts)
         # joins the running rows' probe schedule instead of probing at once: in a batch every probe widens
         # the whole batch's pass, so the rows' probes are made in the same rounds (`lengths`).
-        cap = max(self.cap, default=1)
-        joined = range(len(self.alone) - n, len(self.alone))
-        backed = [b for b in range(len(self.alone) - n) if not self.alone[b] and self._best_alone(b, cap) == 0]
-        for b in joined:
-            if not self.alone[b] and self.seen_offered > 0 and self._best_alone(b, cap) == 0:
-                self.wait[b] = min((self.wait[r] for r in backed), default=self.seen_backoff)
-                self.backoff[b] = self.seen_backoff
+        cap, running = max(self.cap, default=1), len(self.alone) - n
+        starting = [b for b in range(running, len(self.alone))
+                    if not self.alone[b] and self.seen_offered > 0 and self._best_alone(b, cap) == 0]
+        if starting:
+            waits = [self.wait[b] for b in range(running) if not self.alone[b] and self._best_alone(b, cap) == 0]
+            for b in starting:
+                self.wait[b], self.backoff[b] = min(waits, default=self.seen_backoff), self.seen_backoff
 
     def starting_acceptance(self) -> float:
         """What a joining greedy row starts from: the acceptance every row saw lately, shrunk toward

@@ -124,19 +124,17 @@ def draft_costs(decoder) -> dict | None:
            f"{_config_fingerprint(target)}|{kind.name} {drafter}")
 
     def measure() -> dict:
-        rounds = {}
-        for batch in ROUND_BATCHES:
-            timed = time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS, batch)
-            plain, plain_pass = timed[0]
-            if batch == 1:
-                if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
-                    extra = [timed[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
-                else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
-                    extra = [((timed[d][0] - timed[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
-                fitted = fit_draft_costs(list(DRAFT_LENS), extra)
-            # the rounds themselves (adaptive.round_price): no model between them and the policy
-            rounds[str(batch)] = monotone([timed[d][0] / plain for d in DRAFT_LENS])
-        return {**fitted, "rounds": rounds}
+        timed = {batch: time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS, batch)
+                 for batch in ROUND_BATCHES}
+        # the drafter's c and r, from one row's rounds
+        (plain, plain_pass), alone = timed[1][0], timed[1]
+        if param.device.type == "cuda":  # passes run asynchronously: a round's wall against the measured P
+            extra = [alone[d][0] / plain - decoder.pass_costs[1][d] for d in DRAFT_LENS]
+        else:  # what a round adds beyond its own target pass, over what the plain step adds beyond its pass
+            extra = [((alone[d][0] - alone[d][1]) - (plain - plain_pass)) / plain for d in DRAFT_LENS]
+        # and the rounds themselves per batch (adaptive.round_price): no model between them and the policy
+        rounds = {str(batch): monotone([t[d][0] / t[0][0] for d in DRAFT_LENS]) for batch, t in timed.items()}
+        return {**fit_draft_costs(list(DRAFT_LENS), extra), "rounds": rounds}
 
     measured = dict(remembered(key, measure, param.device))
     measured["rounds"] = {int(batch): list(costs) for batch, costs in measured["rounds"].items()}
