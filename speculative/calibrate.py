@@ -77,18 +77,20 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
     return stored[full]
 
 
-def pass_costs(model: torch.nn.Module, batch: int = 1) -> list[float] | None:
+def pass_costs(model: torch.nn.Module, batch: int = 1, path: str = "off") -> list[float] | None:
     """Seconds of a target pass over n = 1..MAX_POSITIONS positions per row of a `batch`-row batch (over a
     CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1, made non-decreasing
     (`monotone`). None where calibration is off. The caller (the decoder, once when it is built) measures
-    in the runtime's own linear-path context, as its rounds run."""
+    in the runtime's own linear-path context, as its rounds run, and names it by `path` (small_gemm.signature
+    of its plan): passes timed on another path are not these passes."""
     if not enabled():
         return None
     param = next(model.parameters())
     fingerprint = _config_fingerprint(model)
     rows = "" if batch == 1 else f"|batch {batch}"
     # "fastest": the costs stored before timings kept their fastest repetition (medians) are measured again
-    key = f"{str(param.dtype).removeprefix('torch.')}|pass costs fastest{rows}|{type(model).__name__} {fingerprint}"
+    key = (f"{str(param.dtype).removeprefix('torch.')}|pass costs fastest{rows}|{type(model).__name__} {fingerprint}"
+           f"|linears {path}")
 
     def measure() -> list[float]:
         seconds = time_passes(model, batch, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
@@ -121,7 +123,7 @@ def draft_costs(decoder) -> dict | None:
     drafter = hashlib.sha256(f"{kind.name}|{shapes}".encode()).hexdigest()[:16]
     # "by batch": the costs stored before rounds were timed per running batch (batch 1 only) are measured again
     key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs by batch|{type(target).__name__} "
-           f"{_config_fingerprint(target)}|{kind.name} {drafter}")
+           f"{_config_fingerprint(target)}|{kind.name} {drafter}|linears {decoder.linear_path}")
 
     def measure() -> dict:
         timed = {batch: time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS, batch)
@@ -198,12 +200,12 @@ def monotone(costs: list[float]) -> list[float]:
     return [round(m, 3) for m, n in blocks for _ in range(n)]
 
 
-def batch_pass_costs(model: torch.nn.Module) -> dict[int, list[float]] | None:
+def batch_pass_costs(model: torch.nn.Module, path: str = "off") -> dict[int, list[float]] | None:
     """`pass_costs` for each of BATCH_SIZES (a running batch's round is priced at its own size: a pass
     over 4 rows of 3 positions costs more, against 4 one-token rows, than one row's does), or None."""
     if not enabled():
         return None
-    return {batch: pass_costs(model, batch) for batch in BATCH_SIZES}
+    return {batch: pass_costs(model, batch, path) for batch in BATCH_SIZES}
 
 
 @torch.inference_mode()

@@ -47,7 +47,7 @@ from draftsmith.speculative.options import DecodeOptions, Request
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
-from draftsmith.speculative.small_gemm import Plan, patched, plan, resolve_mode
+from draftsmith.speculative.small_gemm import Plan, patched, plan, resolve_mode, signature
 from draftsmith.speculative.tree import Leaves, take_leaves
 from draftsmith.speculative.verify import VerifyOutput, validate_verify_inputs
 
@@ -174,6 +174,7 @@ class SpeculativeDecoder:
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
         self._linear_plan: Plan | None = None
+        self.linear_path = "off"  # small_gemm.signature of the plan: the measured costs below are keyed by it
         # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
@@ -182,7 +183,7 @@ class SpeculativeDecoder:
         if self.small_gemm == "auto" or proposer is not None:
             with self.fast_linears():
                 if proposer is not None:
-                    self.pass_costs = calibrate.batch_pass_costs(target)
+                    self.pass_costs = calibrate.batch_pass_costs(target, self.linear_path)
         self.debug = False  # the drafter's rounds below are timed without the per-round checks
         if proposer is not None and self.pass_costs is not None:
             # What the drafter adds to a round, from rounds timed at fixed draft lengths (these passes
@@ -199,6 +200,7 @@ class SpeculativeDecoder:
             kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
             self._linear_plan = plan(self.target, *(kind.modules(self.proposer) if kind is not None else []),
                                      mode=self.small_gemm)
+            self.linear_path = signature(self._linear_plan)
         return patched(self._linear_plan)
 
     @torch.inference_mode()

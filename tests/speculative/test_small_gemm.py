@@ -84,35 +84,59 @@ def test_the_path_is_measured_per_shape_and_row_count_on_cpu_and_remembered(mach
     monkeypatch.delenv("DRAFTSMITH_SMALL_GEMM")
 
     measured = []
-    monkeypatch.setattr(small_gemm, "measure", lambda w: measured.append(tuple(w.shape)) or frozenset({2, 5}))
+    route = {1: 2, 2: 2, 3: 4, 5: 5}  # one row computed as two, three as four (zeros added), five as five
+    monkeypatch.setattr(small_gemm, "measure", lambda w, working_set: measured.append((tuple(w.shape), working_set)) or route)
     layer = nn.Linear(64, 300)
-    assert choice(layer.weight) == {2, 5} and choice(nn.Linear(64, 300).weight) == {2, 5}
-    assert measured == [(300, 64)]  # once per shape
-    assert "(300, 64)" in machine_cache.read_text()
+    assert choice(layer.weight, 3 << 20) == route and choice(nn.Linear(64, 300).weight, 3 << 20) == route
+    assert measured == [((300, 64), 4 << 20)]  # once per shape and working set (rounded up to a power of 2 MiB)
+    assert choice(layer.weight, 200 << 30) == route and measured[-1] == ((300, 64), small_gemm.COLD_CAP)
+    assert "(300, 64)|4 MiB" in machine_cache.read_text()
     monkeypatch.setattr(small_gemm, "_chosen", {})
     monkeypatch.setattr(calibrate, "_memory", {})  # a new process on the machine: reads, does not measure
-    assert choice(layer.weight) == {2, 5} and measured == [(300, 64)]
+    assert choice(layer.weight, 3 << 20) == route and len(measured) == 2
     with small_row_linears(layer, mode="auto"):
-        assert layer._ds_rows == {2, 5}
-        seen = []
-        real = nn.functional.linear
+        assert layer._ds_route == route
+        seen, computed = [], []
+        real, matmul = nn.functional.linear, torch.matmul
         monkeypatch.setattr(nn.functional, "linear", lambda *a: seen.append(a[0].shape[0]) or real(*a))
-        for rows in (1, 2, 3, 5, 17):
+        monkeypatch.setattr(torch, "matmul", lambda w, x: computed.append(x.shape[1]) or matmul(w, x))
+        for rows in (1, 2, 3, 4, 5, 17):
             x = torch.randn(rows, 64)
             out = layer(x)
-            assert out.shape == (rows, 300)
-        assert seen == [1, 3, 17]  # F.linear only where W @ x.T was not measured faster
-        torch.testing.assert_close(layer(x[:5]), real(x[:5], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert "_ds_rows" not in vars(layer) and "forward" not in vars(layer)
+            assert out.shape == (rows, 300) and out.is_contiguous()  # row-major, as F.linear's
+            torch.testing.assert_close(out, real(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert seen == [4, 17]  # F.linear only where W @ x.T was not measured faster
+        assert computed == [2, 2, 4, 5]  # 1 -> 2 and 3 -> 4 rows: the added rows are zeros, cut from the result
+    assert "_ds_route" not in vars(layer) and "forward" not in vars(layer)
     monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")  # no calibration: the fixed choice
-    assert choice(nn.Linear(8, 8).weight) == ALL_ROWS and choice(nn.Linear(8, 8).to(torch.bfloat16).weight) == set()
+    assert choice(nn.Linear(8, 8).weight) == ALL_ROWS and choice(nn.Linear(8, 8).to(torch.bfloat16).weight) == {}
 
 
-def test_a_real_measurement_gives_row_counts_in_range(machine_cache):
-    from draftsmith.speculative.small_gemm import ALL_ROWS, measure
+def test_a_real_measurement_routes_each_row_count_to_as_many_rows_or_more(machine_cache):
+    from draftsmith.speculative.small_gemm import MAX_ROWS, measure
 
-    rows = measure(nn.Linear(32, 64).weight, reps=2)
-    assert rows <= ALL_ROWS
+    route = measure(nn.Linear(32, 64).weight, 1 << 20, reps=1)
+    assert all(1 <= rows <= width <= MAX_ROWS and width >= 2 for rows, width in route.items())
+
+
+def test_a_plans_timing_cycles_through_the_memory_its_weights_fill(monkeypatch):
+    """Timed alone, a weight sits in cache; in a pass it comes back after every other weight. The plan
+    times each shape over as many bytes as all its modules' linear weights (tied ones once), up to COLD_CAP."""
+    from draftsmith.speculative import small_gemm
+
+    asked = []
+    monkeypatch.setattr(small_gemm, "choice", lambda w, working_set: asked.append(working_set) or {2: 2})
+    big = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))  # 8 MiB
+    small = nn.Linear(16, 16)
+    small_gemm.plan(big, small, mode="auto")
+    assert set(asked) == {16 << 20}  # 8 MiB + 1 KiB, rounded up to a power of two MiB
+    asked.clear()
+    tied = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))
+    tied[1].weight = tied[0].weight
+    small_gemm.plan(tied, mode="auto")
+    assert set(asked) == {4 << 20}
+    assert small_gemm.working_set_bytes(10**12) == small_gemm.COLD_CAP and small_gemm.working_set_bytes(0) == 1 << 20
+    assert small_gemm.signature([]) == "off" and small_gemm.signature(small_gemm.plan(big, mode="on")) != "off"
 
 
 def test_a_decoder_plans_its_layers_once_and_nested_blocks_keep_the_outer_patch(target):
