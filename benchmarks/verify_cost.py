@@ -2,15 +2,19 @@
 
     python benchmarks/verify_cost.py [--target SPEC] [--context 256] [--max-positions 9] [--batch-sizes 1,4]
                                      [--reps 30] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                     [--json out.json]
+                                     [--small-gemm off,auto] [--json out.json]
 
 A verification pass feeds the last token and D draft tokens: D + 1 positions over a cache of `--context`
 tokens. For n = 1 .. `--max-positions` it times that pass through the runtime's own cache (KVState: the
 n slots are appended, then rolled back, as a round with every draft rejected does; in the runtime's
 context for few-row linear layers), the n's interleaved
-and repeated, and reports the median seconds per pass relative to n = 1 (a plain decoding step), and the
+and repeated, and reports the fastest seconds per pass relative to n = 1 (a plain decoding step), and the
 least-squares slope over n: the cost of one more position, which is the `verify_cost` the adaptive
 policy adds to the drafter's own cost per drafted token (speculative/adaptive.py, VERIFY_COST).
+
+`--small-gemm` takes a comma list of linear paths (small_gemm.py: off = F.linear everywhere, on = W @ x.T
+for 2..16 rows, auto = the routes measured on this machine) and times each in the same run, so the table
+also gives each path's one-token step in milliseconds: what plain decoding costs on it.
 """
 
 from __future__ import annotations
@@ -43,29 +47,37 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="the target's weights")
-    parser.add_argument("--small-gemm", choices=["auto", "on", "off"], default=None,
-                        help="the few-row linear path (small_gemm.py); default: the runtime's ($DRAFTSMITH_SMALL_GEMM, else auto)")
+    parser.add_argument("--small-gemm", default=None,
+                        help="comma list of few-row linear paths to time side by side (auto, on, off; small_gemm.py); "
+                             "default: the runtime's ($DRAFTSMITH_SMALL_GEMM, else auto)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    paths = args.small_gemm.split(",") if args.small_gemm else [None]
+    if any(p not in (None, "auto", "on", "off") for p in paths):
+        parser.error(f"--small-gemm takes auto, on or off (comma separated), got {args.small_gemm!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_model(args.target, device=device, dtype=DTYPES[args.dtype])
     positions = list(range(1, args.max_positions + 1))
     rows = []
-    # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
-    with torch.inference_mode(), SpeculativeDecoder(target.model, None, small_gemm=args.small_gemm).fast_linears():
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            seconds = time_passes(target.model, batch, args.context, positions, args.reps, device)
-            base = seconds[1]
-            relative = [seconds[n] / base for n in positions]
-            rows.append({"batch": batch, "seconds": seconds, "relative": dict(zip(positions, relative)),
-                         "verify_cost": slope(positions, relative)})
+    for path in paths:
+        decoder = SpeculativeDecoder(target.model, None, small_gemm=path)
+        # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
+        with torch.inference_mode(), decoder.fast_paths():
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+                seconds = time_passes(target.model, batch, args.context, positions, args.reps, device)
+                base = seconds[1]
+                relative = [seconds[n] / base for n in positions]
+                rows.append({"path": decoder.small_gemm, "batch": batch, "seconds": seconds,
+                             "relative": dict(zip(positions, relative)), "verify_cost": slope(positions, relative)})
     print(f"target {target.name} on {device} in {args.dtype} ({torch.get_num_threads()} threads), context {args.context}, "
-          f"median of {args.reps}")
-    print(f"{'batch':>5s} " + " ".join(f"{'n=' + str(n):>6s}" for n in positions) + f" {'per position':>12s}")
+          f"fastest of {args.reps} passes per length")
+    print(f"{'path':>5s} {'batch':>5s} {'step ms':>7s} " + " ".join(f"{'n=' + str(n):>6s}" for n in positions)
+          + f" {'per position':>12s}")
     for r in rows:
-        print(f"{r['batch']:5d} " + " ".join(f"{r['relative'][n]:6.2f}" for n in positions)
-              + f" {r['verify_cost']:12.3f}")
-    print("(seconds per pass relative to n=1, a plain decoding step; the last column is the slope: verify_cost)")
+        print(f"{r['path']:>5s} {r['batch']:5d} {r['seconds'][1] * 1e3:7.1f} "
+              + " ".join(f"{r['relative'][n]:6.2f}" for n in positions) + f" {r['verify_cost']:12.3f}")
+    print("(step ms: one plain decoding step; n=k: seconds per pass over k positions relative to it, on the same path;"
+          " the last column is the slope: verify_cost)")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=2))
     return 0

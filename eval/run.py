@@ -233,7 +233,7 @@ class _Work:
                  for a in accept if a["draft_len"] == self.s.max_draft_len}
         rows = []
         for batch in self.s.batch_sizes:
-            with self.spec.fast_linears():  # time the passes as the runtime runs them
+            with self.spec.fast_paths():  # time the passes as the runtime runs them
                 costs = advice.measure_costs(self.spec.target, proposer, self.prompts, batch, self.s.max_draft_len,
                                              self.s.max_new_tokens // 2, self.s.timing_reps)
             for mode in self.s.modes:

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -71,6 +72,7 @@ def remembered(key: str, measure: Callable[[], object], device: torch.device | s
     with lock if lock is not None else contextlib.nullcontext():
         stored = _read(path)
         if full not in stored:
+            _announce(path)
             stored[full] = measure()
             _write(path, stored)
     _memory[full] = stored[full]
@@ -81,8 +83,8 @@ def pass_costs(model: torch.nn.Module, batch: int = 1, path: str = "off") -> lis
     """Seconds of a target pass over n = 1..MAX_POSITIONS positions per row of a `batch`-row batch (over a
     CONTEXT-token cache), relative to the same batch's one-token step: entry n - 1, made non-decreasing
     (`monotone`). None where calibration is off. The caller (the decoder, once when it is built) measures
-    in the runtime's own linear-path context, as its rounds run, and names it by `path` (small_gemm.signature
-    of its plan): passes timed on another path are not these passes."""
+    in the runtime's own context (its few-row linear path and attention), as its rounds run, and names it
+    by `path` (the decoder's `path_signature`): passes timed on other paths are not these passes."""
     if not enabled():
         return None
     param = next(model.parameters())
@@ -90,7 +92,7 @@ def pass_costs(model: torch.nn.Module, batch: int = 1, path: str = "off") -> lis
     rows = "" if batch == 1 else f"|batch {batch}"
     # "fastest": the costs stored before timings kept their fastest repetition (medians) are measured again
     key = (f"{str(param.dtype).removeprefix('torch.')}|pass costs fastest{rows}|{type(model).__name__} {fingerprint}"
-           f"|linears {path}")
+           f"|paths {path}")
 
     def measure() -> list[float]:
         seconds = time_passes(model, batch, CONTEXT, list(range(1, MAX_POSITIONS + 1)), REPS, param.device)
@@ -123,7 +125,7 @@ def draft_costs(decoder) -> dict | None:
     drafter = hashlib.sha256(f"{kind.name}|{shapes}".encode()).hexdigest()[:16]
     # "by batch": the costs stored before rounds were timed per running batch (batch 1 only) are measured again
     key = (f"{str(param.dtype).removeprefix('torch.')}|draft costs by batch|{type(target).__name__} "
-           f"{_config_fingerprint(target)}|{kind.name} {drafter}|linears {decoder.linear_path}")
+           f"{_config_fingerprint(target)}|{kind.name} {drafter}|paths {decoder.path_signature}")
 
     def measure() -> dict:
         timed = {batch: time_rounds(decoder, (0, *DRAFT_LENS), DRAFT_ROUNDS, REPS_ROUNDS, batch)
@@ -252,6 +254,12 @@ def _cpu_name() -> str:  # read once per process: every lookup of a stored value
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def _announce(path: Path) -> None:  # once per process: the first measurement on a machine takes minutes
+    print(f"draftsmith: timing this machine's passes for its speed choices (first use; up to a few minutes; "
+          f"stored in {path})", file=sys.stderr, flush=True)
 
 
 def _path() -> Path:

@@ -131,7 +131,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Emission]:
         """Admit what fits, run one round for every running row; each running row's emission."""
-        with self.decoder.fast_linears():
+        with self.decoder.fast_paths():
             self._admit()
             if not self.run.rows:
                 return []

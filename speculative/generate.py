@@ -47,6 +47,7 @@ from draftsmith.speculative.options import DecodeOptions, Request
 from draftsmith.speculative.proposers import Draft, Proposer, RoundContext, left_pad
 from draftsmith.speculative.rng import RowGenerators
 from draftsmith.speculative.sampling import BatchSampling, SamplingParams
+from draftsmith.speculative.attention import grouped_attention, switchable
 from draftsmith.speculative.small_gemm import Plan, patched, plan, resolve_mode, signature
 from draftsmith.speculative.tree import Leaves, take_leaves
 from draftsmith.speculative.verify import VerifyOutput, validate_verify_inputs
@@ -174,16 +175,18 @@ class SpeculativeDecoder:
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
         self._linear_plan: Plan | None = None
-        self.linear_path = "off"  # small_gemm.signature of the plan: the measured costs below are keyed by it
+        self._attention: list | None = None  # the model configs switched to grouped attention (attention.py)
+        # which fast paths the passes take (small_gemm.signature of the plan, and grouped attention or not):
+        # the measured costs below are keyed by it
+        self.path_signature = "off"
         # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
         # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
         # (None where calibration is off), which every run of this decoder then reads.
         self.pass_costs: dict[int, list[float]] | None = None
         self.draft_costs: dict | None = None
-        if self.small_gemm == "auto" or proposer is not None:
-            with self.fast_linears():
-                if proposer is not None:
-                    self.pass_costs = calibrate.batch_pass_costs(target, self.linear_path)
+        with self.fast_paths():  # plans the paths (measuring the linear routes on a new machine)
+            if proposer is not None:
+                self.pass_costs = calibrate.batch_pass_costs(target, self.path_signature)
         self.debug = False  # the drafter's rounds below are timed without the per-round checks
         if proposer is not None and self.pass_costs is not None:
             # What the drafter adds to a round, from rounds timed at fixed draft lengths (these passes
@@ -191,17 +194,18 @@ class SpeculativeDecoder:
             self.draft_costs = calibrate.draft_costs(self)
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
 
-    def fast_linears(self) -> contextlib.AbstractContextManager:
-        """The context the runtime's forward passes run in (small_gemm.py), or a no-op. Which layers take
-        the few-row path is planned once per decoder (the first time), not on every engine step."""
-        if self.small_gemm == "off":
-            return contextlib.nullcontext()
-        if self._linear_plan is None:
+    def fast_paths(self) -> contextlib.AbstractContextManager:
+        """The context the runtime's forward passes run in: the few-row linear path (small_gemm.py) and
+        masked grouped-query attention without copied heads (attention.py). Which layers take the
+        few-row path is planned once per decoder (the first time), not on every engine step."""
+        if self._attention is None:
             kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
-            self._linear_plan = plan(self.target, *(kind.modules(self.proposer) if kind is not None else []),
-                                     mode=self.small_gemm)
-            self.linear_path = signature(self._linear_plan)
-        return patched(self._linear_plan)
+            modules = [self.target, *(kind.modules(self.proposer) if kind is not None else [])]
+            self._attention = switchable(*modules)
+            if self.small_gemm != "off":
+                self._linear_plan = plan(*modules, mode=self.small_gemm)
+            self.path_signature = signature(self._linear_plan) + ("+gqa" if self._attention else "")
+        return _both(self._linear_plan, self._attention)
 
     @torch.inference_mode()
     def generate(
@@ -245,6 +249,12 @@ class SpeculativeDecoder:
                 raise InvalidInputError(f"prompt {i} is empty; every prompt needs at least one token")
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise InvalidInputError(f"prompt {i} has token ids outside 0..{self.vocab_size - 1}")
+
+
+@contextlib.contextmanager
+def _both(layers: Plan | None, configs: list):
+    with patched(layers or []), grouped_attention(configs):
+        yield
 
 
 def _timed(stat: str):

@@ -46,7 +46,7 @@ def test_pass_costs_of_a_tiny_target(target, machine_cache, monkeypatch):
     assert calibrate.pass_costs(target) == costs
     timed = []
     monkeypatch.setattr(calibrate, "time_passes", lambda *a: timed.append(1) or {n: 1.0 for n in range(1, 10)})
-    assert calibrate.pass_costs(target, path="3f2a") == [1.0] * 9 and timed  # another linear path: timed anew
+    assert calibrate.pass_costs(target, path="3f2a+gqa") == [1.0] * 9 and timed  # another linear path: timed anew
     assert calibrate.pass_costs(target) == costs and len(timed) == 1
     monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
     assert calibrate.pass_costs(target) is None

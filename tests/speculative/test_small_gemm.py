@@ -144,10 +144,10 @@ def test_a_decoder_plans_its_layers_once_and_nested_blocks_keep_the_outer_patch(
 
     decoder = SpeculativeDecoder(target, None, small_gemm="on")
     linears = [m for m in target.modules() if type(m) is torch.nn.Linear]
-    with decoder.fast_linears():
+    with decoder.fast_paths():
         plan = decoder._linear_plan
         assert {id(m) for m, _ in plan} == {id(m) for m in linears}
-        with decoder.fast_linears():  # nested (eval times passes inside a runtime block): same plan
+        with decoder.fast_paths():  # nested (eval times passes inside a runtime block): same plan
             assert decoder._linear_plan is plan
         assert all("forward" in vars(m) for m in linears)  # the inner block left the outer's patch
     assert not any("forward" in vars(m) for m in linears)  # restored: the model is plain again
