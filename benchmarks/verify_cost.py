@@ -2,7 +2,7 @@
 
     python benchmarks/verify_cost.py [--target SPEC] [--context 256] [--max-positions 9] [--batch-sizes 1,4]
                                      [--reps 30] [--device cpu|cuda] [--dtype float32|bfloat16|float16]
-                                     [--small-gemm off,auto] [--json out.json]
+                                     [--small-gemm off,auto] [--attention grouped,copied] [--json out.json]
 
 A verification pass feeds the last token and D draft tokens: D + 1 positions over a cache of `--context`
 tokens. For n = 1 .. `--max-positions` it times that pass through the runtime's own cache (KVState: the
@@ -14,7 +14,9 @@ policy adds to the drafter's own cost per drafted token (speculative/adaptive.py
 
 `--small-gemm` takes a comma list of linear paths (small_gemm.py: off = F.linear everywhere, on = W @ x.T
 for 2..16 rows, auto = the routes measured on this machine) and times each in the same run, so the table
-also gives each path's one-token step in milliseconds: what plain decoding costs on it.
+also gives each path's one-token step in milliseconds: what plain decoding costs on it. `--attention`
+does the same for masked grouped-query attention (attention.py): `grouped` (the runtime's) or `copied`
+(Transformers' sdpa, which copies the key/value heads under a mask).
 """
 
 from __future__ import annotations
@@ -50,31 +52,38 @@ def main(argv=None) -> int:
     parser.add_argument("--small-gemm", default=None,
                         help="comma list of few-row linear paths to time side by side (auto, on, off; small_gemm.py); "
                              "default: the runtime's ($DRAFTSMITH_SMALL_GEMM, else auto)")
+    parser.add_argument("--attention", default="grouped",
+                        help="comma list: grouped (attention.py, the runtime's) and/or copied (Transformers' sdpa)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     paths = args.small_gemm.split(",") if args.small_gemm else [None]
     if any(p not in (None, "auto", "on", "off") for p in paths):
         parser.error(f"--small-gemm takes auto, on or off (comma separated), got {args.small_gemm!r}")
+    attentions = args.attention.split(",")
+    if any(a not in ("grouped", "copied") for a in attentions):
+        parser.error(f"--attention takes grouped or copied (comma separated), got {args.attention!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_model(args.target, device=device, dtype=DTYPES[args.dtype])
     positions = list(range(1, args.max_positions + 1))
     rows = []
-    for path in paths:
+    for path, attention in [(p, a) for p in paths for a in attentions]:
         decoder = SpeculativeDecoder(target.model, None, small_gemm=path)
+        if attention == "copied":
+            decoder._attention = []  # no config switched: Transformers' own sdpa
         # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
         with torch.inference_mode(), decoder.fast_paths():
             for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 seconds = time_passes(target.model, batch, args.context, positions, args.reps, device)
                 base = seconds[1]
                 relative = [seconds[n] / base for n in positions]
-                rows.append({"path": decoder.small_gemm, "batch": batch, "seconds": seconds,
+                rows.append({"path": decoder.small_gemm, "attention": attention, "batch": batch, "seconds": seconds,
                              "relative": dict(zip(positions, relative)), "verify_cost": slope(positions, relative)})
     print(f"target {target.name} on {device} in {args.dtype} ({torch.get_num_threads()} threads), context {args.context}, "
           f"fastest of {args.reps} passes per length")
-    print(f"{'path':>5s} {'batch':>5s} {'step ms':>7s} " + " ".join(f"{'n=' + str(n):>6s}" for n in positions)
+    print(f"{'path':>5s} {'attention':>9s} {'batch':>5s} {'step ms':>7s} " + " ".join(f"{'n=' + str(n):>6s}" for n in positions)
           + f" {'per position':>12s}")
     for r in rows:
-        print(f"{r['path']:>5s} {r['batch']:5d} {r['seconds'][1] * 1e3:7.1f} "
+        print(f"{r['path']:>5s} {r['attention']:>9s} {r['batch']:5d} {r['seconds'][1] * 1e3:7.1f} "
               + " ".join(f"{r['relative'][n]:6.2f}" for n in positions) + f" {r['verify_cost']:12.3f}")
     print("(step ms: one plain decoding step; n=k: seconds per pass over k positions relative to it, on the same path;"
           " the last column is the slope: verify_cost)")
