@@ -31,8 +31,14 @@ With a per-token acceptance probability a, it emits
 
 tokens, so a row alone drafts d* = argmax over 0..D of E(d) / C(d) (d = 0, plain decoding, is worth 1).
 `a` is the row's own estimate: accepted over offered draft tokens, counting the first rejected one, over
-its recent drafting rounds (each older round weighted `decay` times less), shrunk toward a prior of
-`prior` worth `prior_weight` tokens; each row learns from its own rounds only. A greedy row that joins a
+its recent drafting rounds (what came before a round weighted `decay` times less per token the round
+offered: a window of about ten offered tokens, whatever the draft lengths), shrunk toward a prior of
+`prior` worth `prior_weight` tokens; each row learns from its own rounds only. The window is counted in
+tokens, not rounds, so that one-token rounds can back off: weighted 0.7 per round, ten one-token rounds
+rejected in a row still left an estimate of 0.6 / (1 / 0.3 + 1) = 0.14, above the break-even of a D=1
+round that costs 1.08 plain steps (SmolLM2 on an AMD EPYC core), so a row whose drafts were all
+rejected drafted one token in every round and decoded at 0.93x plain (a simulation of that rule;
+per token: 0.998x). A greedy row that joins a
 running engine whose rows have drafted starts from what those rows saw instead of `prior` (the
 acceptance over every row's recent rounds, `seen_decay` per round): a server learns its drafter's
 usual acceptance, so a new request on a poorly accepted drafter does not begin by drafting at 0.6.
@@ -154,7 +160,7 @@ class AdaptiveDraftLength:
 
     def __init__(self, cost: float, *, round_cost: float = 0.0,
                  pass_costs: dict[int, list[float]] | list[float] | None = None,
-                 round_costs: dict[int, list[float]] | list[float] | None = None, decay: float = 0.7,
+                 round_costs: dict[int, list[float]] | list[float] | None = None, decay: float = 0.9,
                  prior: float = 0.6, prior_weight: float = 1.0, seen_decay: float = 0.98):
         pass_costs = by_batch(pass_costs)
         if cost < 0 or round_cost < 0 or any(c <= 0 for costs in (pass_costs or {}).values() for c in costs):
@@ -276,8 +282,10 @@ class AdaptiveDraftLength:
         for b, (d, a) in enumerate(zip(drafted, accepted)):
             if d <= 0:
                 continue
-            self.accepted[b] = self.decay * self.accepted[b] + min(a, d)
-            self.offered[b] = self.decay * self.offered[b] + min(a + 1, d)
+            offered = min(a + 1, d)
+            keep = self.decay ** offered  # per offered token (see the module docstring)
+            self.accepted[b] = keep * self.accepted[b] + min(a, d)
+            self.offered[b] = keep * self.offered[b] + offered
             self.seen_accepted += min(a, d)
             self.seen_offered += min(a + 1, d)
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.

@@ -192,8 +192,8 @@ def shared_policy(rows, alone=None, acceptance=0.7):
     policy.add_rows(rows, alone)
     for _ in range(12):  # each row has seen its drafts accepted at about `acceptance`
         for b in range(rows):
-            policy.accepted[b] = policy.decay * policy.accepted[b] + acceptance * 2
-            policy.offered[b] = policy.decay * policy.offered[b] + 2
+            policy.accepted[b] = policy.decay ** 2 * policy.accepted[b] + acceptance * 2
+            policy.offered[b] = policy.decay ** 2 * policy.offered[b] + 2
     return policy
 
 
@@ -245,6 +245,31 @@ def test_backed_off_rows_of_a_batch_probe_in_the_same_rounds():
     # of each probing at once and then on a schedule of their own (27 rounds of 96 drafted one token, each
     # widening the whole batch's pass, where every row probed on its own).
     assert probe_rounds((0, 8, 16, 24)) == alone
+
+
+def test_a_row_whose_one_token_drafts_are_rejected_backs_off_where_such_rounds_are_cheap():
+    """Rounds timed as on an AMD EPYC core after the few-row routes (a D=1 round at 1.08 plain steps): the
+    break-even acceptance of one draft token is 8%. A row whose drafts are all rejected must back off even
+    though it drafts one token a round (its estimate's window counts tokens, not rounds), and one whose
+    drafts are accepted 30% of the time keeps drafting."""
+    rounds = {1: [1.08, 1.24, 1.31, 1.70]}
+    passes = {1: [1.0, 1.0, 1.12, 1.12, 1.49]}
+
+    def drafting_rounds(accepted_share, n=200):
+        policy = AdaptiveDraftLength(0.055, round_cost=0.029, pass_costs=passes, round_costs=rounds)
+        policy.add_rows(1)
+        drafted, owed = 0, 0.0
+        for _ in range(n):
+            d = policy.lengths([4])[0]
+            owed += accepted_share if d else 0.0
+            a = int(owed >= 1.0) if d else 0  # accepted at `accepted_share` of the drafting rounds
+            owed -= a
+            policy.observe([d], [a])
+            drafted += d > 0
+        return drafted
+
+    assert drafting_rounds(0.0) <= 25  # the first rounds, then probes at waits 1, 2, 4 ... 32 (weighted per round: 200)
+    assert drafting_rounds(0.3) >= 190
 
 
 def test_sampled_rows_are_priced_alone_whatever_runs_beside_them():
