@@ -67,9 +67,7 @@ def main(argv=None) -> int:
     positions = list(range(1, args.max_positions + 1))
     rows = []
     for path, attention in [(p, a) for p in paths for a in attentions]:
-        decoder = SpeculativeDecoder(target.model, None, small_gemm=path)
-        if attention == "copied":
-            decoder._attention = []  # no config switched: Transformers' own sdpa
+        decoder = SpeculativeDecoder(target.model, None, small_gemm=path, grouped_attention=attention == "grouped")
         # In the runtime's own context for few-row linear layers (small_gemm.py), as its rounds run.
         with torch.inference_mode(), decoder.fast_paths():
             for batch in [int(b) for b in args.batch_sizes.split(",")]:

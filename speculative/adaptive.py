@@ -282,12 +282,12 @@ class AdaptiveDraftLength:
         for b, (d, a) in enumerate(zip(drafted, accepted)):
             if d <= 0:
                 continue
-            offered = min(a + 1, d)
+            took, offered = min(a, d), min(a + 1, d)
             keep = self.decay ** offered  # per offered token (see the module docstring)
-            self.accepted[b] = keep * self.accepted[b] + min(a, d)
+            self.accepted[b] = keep * self.accepted[b] + took
             self.offered[b] = keep * self.offered[b] + offered
-            self.seen_accepted += min(a, d)
-            self.seen_offered += min(a + 1, d)
+            self.seen_accepted += took
+            self.seen_offered += offered
             # Drafting does not pay (now) at the row's D: a per-round cost may pay only over longer drafts.
             if self._best_alone(b, max(self.cap[b], 1)) == 0:
                 self.wait[b], self.backoff[b] = self.backoff[b], min(2 * self.backoff[b], MAX_WAIT)

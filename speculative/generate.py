@@ -154,6 +154,7 @@ class SpeculativeDecoder:
         stop_token_ids: list[int] | tuple[int, ...] = (),
         verifier: Verifier | str | None = None,
         small_gemm: bool | str | None = None,
+        grouped_attention: bool = True,
         debug: bool | None = None,
     ):
         """`verifier`: a callable with verify_native's signature (given explicit noise from the
@@ -165,6 +166,8 @@ class SpeculativeDecoder:
         `small_gemm`: compute linear layers over a few rows (verification passes) as W @ x.T where this
         CPU runs that faster (see small_gemm.py): "auto" (measured per weight shape and row count), True
         or "on" (always), False or "off"; None = $DRAFTSMITH_SMALL_GEMM, else auto on CPU, off elsewhere.
+        `grouped_attention`: masked passes on the CPU attend over grouped key/value heads without copying
+        them (attention.py); False keeps Transformers' own sdpa (for comparison).
         `debug`: run the per-round checks in every round, not only the first of a call (None: the
         DRAFTSMITH_DEBUG environment variable)."""
         self.target = target
@@ -175,6 +178,7 @@ class SpeculativeDecoder:
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.small_gemm = resolve_mode(self.device, small_gemm)
         self._linear_plan: Plan | None = None
+        self.grouped_attention = grouped_attention
         self._attention: list | None = None  # the model configs switched to grouped attention (attention.py)
         # which fast paths the passes take (small_gemm.signature of the plan, and grouped attention or not):
         # the measured costs below are keyed by it
@@ -201,7 +205,7 @@ class SpeculativeDecoder:
         if self._attention is None:
             kind = kinds.find(self.proposer.kind) if self.proposer is not None else None
             modules = [self.target, *(kind.modules(self.proposer) if kind is not None else [])]
-            self._attention = switchable(*modules)
+            self._attention = switchable(*modules) if self.grouped_attention else []
             if self.small_gemm != "off":
                 self._linear_plan = plan(*modules, mode=self.small_gemm)
             self.path_signature = signature(self._linear_plan) + ("+gqa" if self._attention else "")

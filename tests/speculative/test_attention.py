@@ -50,8 +50,7 @@ def test_switched_inside_the_runtime_only_and_greedy_output_unchanged(monkeypatc
     with torch.inference_mode():
         model(torch.tensor([[1, 72, 105, 33]]))  # outside the runtime: Transformers' own sdpa
     assert not calls
-    off = SpeculativeDecoder(model, None)
-    off._attention = []  # the switch disabled: the same tokens
+    off = SpeculativeDecoder(model, None, grouped_attention=False)  # the switch disabled: the same tokens
     assert off.generate([[1, 72, 105, 33]], options=DecodeOptions(max_new_tokens=8)).tokens == plain.tokens
 
 
