@@ -13,8 +13,8 @@ usual MLP block. Its output g_t (before the final `norm`) goes through `norm` an
 `lm_head` to a guess of x_{t+2}. While drafting, g_t itself stands in for the next slot's h: the
 pairs (g, d_1) -> g' -> d_2 ... have no target states and do not pass through `fc`.
 
-The lm_head covers a draft vocabulary of Vd tokens (the most frequent answer tokens of the training
-data), kept as `d2t` [Vd] (draft index i -> target id i + d2t[i]) and `t2d` [V] (bool: the target id
+The lm_head covers a draft vocabulary of Vd tokens (the training data's most frequent answer tokens,
+then its prompts' tokens, then the tokenizer's lowest ids: kinds.draft_vocabulary), kept as `d2t` [Vd] (draft index i -> target id i + d2t[i]) and `t2d` [V] (bool: the target id
 is in the draft vocabulary), the convention of the speculators and EAGLE-3 checkpoints. The draft
 logits over the target's vocabulary are -inf outside it, so q is exactly the distribution drafted
 from (zero outside the Vd tokens) and verification stays exact. The token embeddings are the
@@ -406,7 +406,7 @@ class Eagle3Kind(DrafterKind):
 
     def prepare(self, drafter, train_rows, recipe):
         if recipe.drafter.draft_vocab and not recipe.drafter.init_from:
-            vocab = kinds.frequent_answer_tokens(train_rows, recipe.drafter.draft_vocab)
+            vocab = kinds.draft_vocabulary(train_rows, recipe.drafter.draft_vocab, len(drafter.t2d))
             drafter.set_draft_vocab(vocab, from_target=True)
 
     def teacher_layers(self, recipe, target):
@@ -427,7 +427,8 @@ class Eagle3Kind(DrafterKind):
         features, last = states[..., :-hidden_size], states[..., -hidden_size:]
         # Slot t pairs the states at t with token t + 1 and guesses token t + 2 (an answer token at the
         # positions that count); every step must have a round there (t >= steps - 1).
-        positions = batch["loss_mask"][:, 2:].bool().nonzero()  # [N, 2]: (row, t)
+        counted = batch["attention_mask"] if recipe.loss.prompt_positions else batch["loss_mask"]
+        positions = counted[:, 2:].bool().nonzero()  # [N, 2]: (row, t)
         positions = positions[positions[:, 1] >= steps - 1]
         rows, t = positions[:, 0], positions[:, 1]
         students = module(ids[:, 1:], features[:, :-1], mask[:, 1:], positions, steps)

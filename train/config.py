@@ -189,6 +189,10 @@ class LossConfig(Section):
     feature_noise: float = Field(0.0, ge=0.0)
     """eagle: uniform noise U(-a, a) added to the target features the drafter reads in training (EAGLE-1
     uses 0.1), so that slightly-off features, as its own guesses are, do not throw it."""
+    prompt_positions: bool = False
+    """eagle3: train at the prompts' positions too, not only the answers' (the target's distribution is
+    known at every position of a row; drafting happens in answers only): more, and more varied, text
+    per row where answers are few. The held-out AL is measured on answers either way."""
 
 
 class OnPolicyConfig(Section):

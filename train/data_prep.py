@@ -23,7 +23,7 @@ from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, i
 from draftsmith.data.stream import stream_conversations
 from draftsmith.data.teacher import ConcatTeacher, TeacherCache, teacher_signals
 from draftsmith.speculative import kinds
-from draftsmith.speculative.kinds import frequent_answer_tokens  # noqa: F401  (used by tests)
+from draftsmith.speculative.kinds import draft_vocabulary  # noqa: F401  (used by tests)
 from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel

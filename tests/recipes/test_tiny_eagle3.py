@@ -2,6 +2,7 @@
 import back."""
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -59,6 +60,11 @@ def test_offline_teacher_caches_the_layers_it_reads_and_trains_as_online(tmp_pat
               for mode, recipe in (("online", online), ("offline", offline))]
     torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-4, rtol=1e-4)
     assert losses[0][1] == losses[1][1] > 0
+    # loss.prompt_positions: every real position of the rows counts, not only the answers'
+    wide = eagle3_recipe(prompts, tmp_path / "data", "teacher.mode=online", "loss.prompt_positions=true")
+    counted = kind.objective(module, drafter, batch, Teacher(target, data["online"], wide), wide)[1]
+    steps = online.loss.draft_steps
+    assert counted == int(batch["attention_mask"][:, 2 + steps - 1:].sum()) > losses[0][1]
 
     # A recipe that needs fewer signals (the eagle kind: hidden states, no inner layers) reuses this cache.
     eagle = load_recipe("tiny-eagle", [f"data.prompts=[{prompts}]", "data.heldout=2", "data.max_new_tokens=8",
@@ -111,3 +117,31 @@ def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_p
                                               f"drafter.init_from={tmp_path / 'sglang'}", "train.steps=3",
                                               "train.eval_every=0", "train.checkpoint_every=0"]), progress=False)
     assert again["al_before"]["acceptance_length"] == after
+
+
+@pytest.mark.slow
+def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_path, monkeypatch, capsys):
+    """benchmarks/drafter_gap.py rebuilds a drafter's recipe from its record and scores its objective's
+    agreement on its training rows, its held-out prompts and other prompts, side by side."""
+    import sys
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    train(load_recipe("tiny-eagle3", [f"output_dir={out}", f"data.cache_dir={tmp_path / 'data'}",
+                                      "tracking.report_to=none"]), progress=False)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": f"zq{'wv' * (i % 5)} {i}?"}) + "\n" for i in range(6)))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import drafter_gap
+
+    report = tmp_path / "gap.json"
+    assert drafter_gap.main(["--drafter", str(out / "drafter"), "--train-rows", "16", "--prompts", "6",
+                             "--prompt-sets", str(other), "--max-new-tokens", "16", "--json", str(report)]) == 0
+    results = json.loads(report.read_text())["results"]
+    assert set(results) == {"train", "held-out", "eval"} and all(r["positions"] > 0 for r in results.values())
+    assert results["train"]["rows"] == 16 and results["eval"]["rows"] == 6
+    steps = [k for k in results["train"] if k.startswith("agreement/")]
+    assert steps == ["agreement/pos1", "agreement/pos2", "agreement/pos3"]  # the recipe's draft steps
+    assert results["train"]["agreement/pos1"] > results["eval"]["agreement/pos1"]
+    assert "held-out" in capsys.readouterr().out
+    del sys.modules["drafter_gap"]

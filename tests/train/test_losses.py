@@ -53,17 +53,20 @@ def test_top1_agreement():
     assert top1_agreement(s, torch.tensor([1, 1])).item() == 0.5
 
 
-def test_frequent_answer_tokens_count_only_answers():
+def test_draft_vocabulary_ranks_answer_tokens_then_prompt_tokens_then_low_ids():
     import datasets
 
-    from draftsmith.train.data_prep import frequent_answer_tokens
+    from draftsmith.train.data_prep import draft_vocabulary
 
     rows = datasets.Dataset.from_list([
-        {"input_ids": [9, 9, 9, 4, 4, 7], "loss_mask": [0, 0, 0, 1, 1, 1]},  # 9 is prompt only: never counted
-        {"input_ids": [9, 5, 4, 5, 5], "loss_mask": [0, 1, 1, 1, 1]},
+        {"input_ids": [9, 9, 9, 4, 4, 7], "loss_mask": [0, 0, 0, 1, 1, 1]},  # 9 is in prompts only
+        {"input_ids": [9, 5, 4, 5, 5, 8], "loss_mask": [0, 1, 1, 1, 1, 0]},
     ])
-    assert frequent_answer_tokens(rows, 2).tolist() == [4, 5]  # 4 and 5 three times each, then 7
-    assert frequent_answer_tokens(rows, 10).tolist() == [4, 5, 7]  # no token that never occurs
+    assert draft_vocabulary(rows, 2, 12).tolist() == [4, 5]  # 4 and 5 three times each, then 7
+    assert draft_vocabulary(rows, 3, 12).tolist() == [4, 5, 7]
+    # the answers name three tokens: the prompts' 9 (four times) and 8 come next, then the lowest ids
+    assert draft_vocabulary(rows, 8, 12).tolist() == [4, 5, 7, 9, 8, 0, 1, 2]
+    assert draft_vocabulary(rows, 100, 12).tolist() == [4, 5, 7, 9, 8, 0, 1, 2, 3, 6, 10, 11]  # the whole vocabulary
 
 
 def test_draft_vocabulary_losses_equal_the_full_vocabulary_ones_on_its_tokens():
