@@ -14,8 +14,9 @@ usual MLP block. Its output g_t (before the final `norm`) goes through `norm` an
 pairs (g, d_1) -> g' -> d_2 ... have no target states and do not pass through `fc`.
 
 The lm_head covers a draft vocabulary of Vd tokens (the training data's most frequent answer tokens,
-then its prompts' tokens, then the tokenizer's lowest ids: kinds.draft_vocabulary), kept as `d2t` [Vd] (draft index i -> target id i + d2t[i]) and `t2d` [V] (bool: the target id
-is in the draft vocabulary), the convention of the speculators and EAGLE-3 checkpoints. The draft
+then its prompts' tokens, then the tokenizer's lowest ids: kinds.draft_vocabulary), kept as `d2t`
+[Vd] (draft index i -> target id i + d2t[i]) and `t2d` [V] (bool: the target id is in the draft
+vocabulary), the convention of the speculators and EAGLE-3 checkpoints. The draft
 logits over the target's vocabulary are -inf outside it, so q is exactly the distribution drafted
 from (zero outside the Vd tokens) and verification stays exact. The token embeddings are the
 target's, frozen and never stored.
