@@ -342,7 +342,7 @@ class EagleKind(ModelKind):
 
     def prepare(self, drafter, train_rows, recipe):
         if recipe.drafter.draft_vocab:
-            vocab = kinds.draft_vocabulary(train_rows, recipe.drafter.draft_vocab, drafter.config.vocab_size)
+            vocab = kinds.draft_vocabulary(train_rows, recipe.drafter.draft_vocab, drafter.config.vocab_size, fill=False)
             drafter.set_draft_vocab(vocab.to(next(drafter.parameters()).device))
 
     def training_module(self, drafter):

@@ -67,6 +67,8 @@ def test_draft_vocabulary_ranks_answer_tokens_then_prompt_tokens_then_low_ids():
     # the answers name three tokens: the prompts' 9 (four times) and 8 come next, then the lowest ids
     assert draft_vocabulary(rows, 8, 12).tolist() == [4, 5, 7, 9, 8, 0, 1, 2]
     assert draft_vocabulary(rows, 100, 12).tolist() == [4, 5, 7, 9, 8, 0, 1, 2, 3, 6, 10, 11]  # the whole vocabulary
+    assert draft_vocabulary(rows, 8, 12, fill=False).tolist() == [4, 5, 7]  # the answers' tokens only
+    assert draft_vocabulary(rows, 2, 12, fill=False).tolist() == [4, 5]
 
 
 def test_draft_vocabulary_losses_equal_the_full_vocabulary_ones_on_its_tokens():
