@@ -33,7 +33,7 @@ import torch
 from draftsmith.data.collate import pad_batch
 from draftsmith.speculative import kinds
 from draftsmith.speculative.checkpoint import check_target, read_drafter_info
-from draftsmith.speculative.errors import InvalidInputError
+from draftsmith.speculative.errors import DraftsmithError, InvalidInputError
 from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.options import DecodeOptions
@@ -42,8 +42,7 @@ from draftsmith.train.config import Recipe
 from draftsmith.train.data_prep import TrainingData, prepare_data
 from draftsmith.train.loop import Teacher
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance import PROMPT_SETS, eval_prompts  # noqa: E402
+from acceptance import PROMPT_SETS, eval_prompts  # benchmarks/, the script's own folder
 
 
 def answered_rows(target, prompts: list[list[int]], max_new: int, batch_size: int) -> list[dict]:
@@ -130,6 +129,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except InvalidInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except DraftsmithError as err:  # a bad drafter, recipe or prompt source: one line, as the CLI prints it
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)

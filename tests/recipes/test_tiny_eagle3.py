@@ -123,7 +123,7 @@ def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_p
 def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_path, monkeypatch, capsys):
     """benchmarks/drafter_gap.py rebuilds a drafter's recipe from its record and scores its objective's
     agreement on its training rows, its held-out prompts and other prompts, side by side."""
-    import sys
+    import importlib.util
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "run"
@@ -131,8 +131,11 @@ def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_pat
                                       "tracking.report_to=none"]), progress=False)
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"prompt": f"zq{'wv' * (i % 5)} {i}?"}) + "\n" for i in range(6)))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import drafter_gap
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))  # where the script finds acceptance.py when run
+    spec = importlib.util.spec_from_file_location("drafter_gap", benchmarks / "drafter_gap.py")
+    drafter_gap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drafter_gap)
 
     report = tmp_path / "gap.json"
     assert drafter_gap.main(["--drafter", str(out / "drafter"), "--train-rows", "16", "--prompts", "6",
@@ -144,4 +147,3 @@ def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_pat
     assert steps == ["agreement/pos1", "agreement/pos2", "agreement/pos3"]  # the recipe's draft steps
     assert results["train"]["agreement/pos1"] > results["eval"]["agreement/pos1"]
     assert "held-out" in capsys.readouterr().out
-    del sys.modules["drafter_gap"]
