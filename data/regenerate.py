@@ -26,6 +26,12 @@ On disk (`out_dir`), written so that a crash or Ctrl-C loses nothing already fin
 Every file is written to a temporary name beside its place and renamed into it. Row r is sampled
 with its own seed, derived from (seed, r), so outputs do not depend on batch size or composition.
 
+Answers already written: `reuse` names other regeneration directories (finished or not, for example
+the other `regen-*` caches of a recipe's data.cache_dir). A greedy answer depends only on the target, its
+tokenizer, the rendered prompt ids and max_new_tokens, so a record whose prompt ids one of them answered
+greedily with the same target and limit takes that answer instead of being decoded again: adding prompts
+to a recipe answers only the new ones. Sampled runs reuse nothing (a row's seed is tied to its index).
+
 Throughput: one engine (speculative/engine.py) answers every shard with at most batch_size rows; a
 finished row leaves at once and a waiting prompt joins in its place, and prompts are queued shard by
 shard in order of length, so the batch neither drains to its longest row nor pads short prompts to long
@@ -39,7 +45,7 @@ import json
 import math
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from hashlib import sha256
 from pathlib import Path
 
@@ -85,12 +91,14 @@ def regenerate(
     progress: bool = True,
     role: str = "assistant",
     desc: str = "regenerating",
+    reuse: Iterable[Path] = (),
 ) -> datasets.Dataset:
     """Answer every conversation with `target` into `out_dir` (see the module docstring); resumable.
 
     batch_size, proposer and draft_len change speed only, so a rerun may change them freely.
     role="user" makes the target write the next user turn instead of an answer (the conversations may
-    then be empty; see draftsmith.data.self_prompts); the new message gets that role.
+    then be empty; see draftsmith.data.self_prompts); the new message gets that role. `reuse`: other
+    regeneration directories whose greedy answers stand in for decoding the same prompts (module docstring).
     """
     _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len)
     SamplingParams(temperature=temperature, top_p=top_p, seed=0)  # validates the sampling settings
@@ -122,17 +130,22 @@ def regenerate(
     done = {s for s in manifest["shards_done"] if (shard_dir / shard_name(s)).is_file()}
     if done:
         print(f"regenerate: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
+    donors = _donor_answers(reuse, settings, out_dir) if settings["temperature"] == 0 and role == "assistant" else {}
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     done_records = sum(len(shard_range(s, shard_size, len(conversations))) for s in done)
     with tqdm(total=len(conversations), initial=done_records, unit="rec", desc=desc,
               disable=not progress, file=sys.stderr) as bar:
         todo = [shard for shard in range(num_shards) if shard not in done]
+        reused = [0]
         for shard, rows in _generate_shards(decoder, target.tokenizer, conversations, todo, settings, batch_size,
-                                            draft_len, bar, role):
+                                            draft_len, bar, role, donors, reused):
             _write_shard(shard_dir / shard_name(shard), rows)
             done.add(shard)
             manifest["shards_done"] = sorted(done)
             write_manifest(out_dir, manifest)
+    if reused[0]:
+        print(f"regenerate: {reused[0]} of {len(conversations) - done_records} answers taken from earlier runs "
+              f"(the same prompts, answered greedily by the same target)", file=sys.stderr)
     return _finish(out_dir, manifest, num_shards, len(conversations), progress)
 
 
@@ -170,7 +183,8 @@ def shard_name(shard: int) -> str:
 
 
 def _generate_shards(decoder, tokenizer, conversations, shards: list[int], settings: dict, batch_size: int,
-                     draft_len: int, bar, role: str) -> Iterator[tuple[int, list[dict]]]:
+                     draft_len: int, bar, role: str, donors: dict | None = None,
+                     reused: list[int] | None = None) -> Iterator[tuple[int, list[dict]]]:
     """(shard, its output rows in record order) for every shard in `shards`, as each one's last row finishes.
 
     One engine runs at most `batch_size` rows; a row that finishes leaves at once and a waiting one joins
@@ -178,8 +192,11 @@ def _generate_shards(decoder, tokenizer, conversations, shards: list[int], setti
     queued in order of prompt length (length bucketing: rows that join together are prefilled with little
     padding), and the next shard's as soon as fewer than `batch_size` wait, so shard ends do not drain it
     either. Outputs do not depend on this schedule: a greedy row is the target's greedy decoding of it
-    alone, a sampled row draws from its own seed (`row_seed`).
+    alone, a sampled row draws from its own seed (`row_seed`). A row whose prompt is in `donors` (prompt
+    key -> (generated ids, finish reason), `_donor_answers`) takes that answer without decoding; `reused`
+    counts them.
     """
+    reused = [0] if reused is None else reused
     # Rows join in groups of a quarter batch: each join copies the running cache (engine.py, min_join).
     engine = Engine(decoder, DecodeOptions(max_new_tokens=settings["max_new_tokens"], draft_len=draft_len),
                     max_batch=batch_size, min_join=max(1, batch_size // 4))
@@ -193,7 +210,18 @@ def _generate_shards(decoder, tokenizer, conversations, shards: list[int], setti
             records = shard_range(shard, settings["shard_size"], settings["num_records"])
             rows = [_prompt_row(conversations[r], r, need_user=role == "assistant") for r in records]
             run = running[shard] = _ShardRun(rows, [render(tokenizer, row["messages"]) for row in rows])
-            for k in sorted(range(len(rows)), key=lambda k: len(run.prompts[k])):
+            for k, prompt in enumerate(run.prompts):
+                answer = donors.get(_prompt_key(prompt)) if donors else None
+                if answer is not None:
+                    _complete_row(run.rows[k], tokenizer, prompt, answer[0], answer[1], role)
+                    run.answered.add(k)
+                    run.left -= 1
+                    reused[0] += 1
+                    bar.update(1)
+            if run.left == 0:
+                yield shard, running.pop(shard).rows
+                continue
+            for k in sorted(set(range(len(rows))) - run.answered, key=lambda k: len(run.prompts[k])):
                 sampling = SamplingParams(temperature=settings["temperature"], top_p=settings["top_p"],
                                           seed=row_seed(settings["seed"], records[k]))
                 owner[engine.add(Request(run.prompts[k], sampling, settings["max_new_tokens"]))] = (shard, k)
@@ -218,6 +246,43 @@ class _ShardRun:
         self.rows, self.prompts = rows, prompts
         self.outputs: list[list[int]] = [[] for _ in rows]
         self.left = len(rows)
+        self.answered: set[int] = set()  # rows that took an earlier run's answer
+
+
+def _prompt_key(prompt: list[int]) -> bytes:
+    return sha256(json.dumps(list(prompt)).encode()).digest()
+
+
+REUSE_SETTINGS = ("target_weight_hash", "tokenizer_hash", "max_new_tokens", "temperature", "role")
+
+
+def _donor_answers(dirs: Iterable[Path], settings: dict, out_dir: Path) -> dict[bytes, tuple[list[int], str]]:
+    """prompt key -> (generated ids, finish reason) from every finished shard of the regeneration runs in
+    `dirs` that answered greedily with the same target, tokenizer and max_new_tokens (and assistant turns).
+    Directories that are not such runs (other settings, another kind, unreadable) give nothing; `out_dir`
+    itself is skipped."""
+    answers: dict[bytes, tuple[list[int], str]] = {}
+    for directory in dirs:
+        directory = Path(directory)
+        if not directory.is_dir() or directory.resolve() == Path(out_dir).resolve():
+            continue
+        try:
+            manifest = read_manifest(directory, KIND)
+        except InvalidInputError:
+            continue
+        stored = manifest["settings"]
+        if any(stored.get(key) != settings.get(key) for key in REUSE_SETTINGS) or stored.get("temperature") != 0:
+            continue
+        for shard in manifest["shards_done"]:
+            path = directory / "shards" / shard_name(shard)
+            try:
+                rows = _read_shard(path, len(shard_range(shard, stored["shard_size"], stored["num_records"])))
+            except InvalidInputError:
+                continue
+            for row in rows:
+                cut = row["prompt_len"]
+                answers.setdefault(_prompt_key(row["input_ids"][:cut]), (row["input_ids"][cut:], row["finish_reason"]))
+    return answers
 
 
 def _check_prompts(conversations: datasets.Dataset, tokenizer, need_user: bool) -> None:

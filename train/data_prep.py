@@ -198,9 +198,12 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         passes += [(cache_key(main=key, extra_sample=i, temperature=cfg.sample_temperature), cfg.sample_temperature,
                     recipe.train.seed + 1 + i) for i in range(cfg.extra_samples)]
         for part_key, temperature, seed in passes:
+            # Greedy answers the cache already holds for the same prompts (other prompt lists of this
+            # target) are taken, not decoded again: adding prompts to a recipe answers only the new ones.
             regenerated = regenerate(target, answered, cache_root / f"regen-{part_key}",
                                      max_new_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed,
-                                     batch_size=cfg.regen_batch_size, progress=progress and is_main)
+                                     batch_size=cfg.regen_batch_size, progress=progress and is_main,
+                                     reuse=sorted(cache_root.glob("regen-*")))
             parts.append((part_key, truncate(regenerated, cfg.max_length)))
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
     if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only

@@ -199,3 +199,46 @@ def test_regenerated_dataset_trains_on_its_exact_tokens(target, reference, tmp_p
     tokens = tokenize_dataset(loaded, target.tokenizer, max_length=10_000)
     assert tokens["input_ids"] == [r["input_ids"] for r in reference]
     assert tokens["loss_mask"] == [r["loss_mask"] for r in reference]
+
+
+class CountingEngine(regen_module.Engine):
+    """The regeneration engine, recording the prompts it is asked to decode."""
+
+    prompts: list = []
+
+    def add(self, request):
+        CountingEngine.prompts.append(tuple(request.prompt))
+        return super().add(request)
+
+
+def test_answers_of_earlier_greedy_runs_are_reused(target, conversations, reference, tmp_path, monkeypatch, capfd):
+    settings = dict(max_new_tokens=MAX_NEW, shard_size=2, batch_size=2, progress=False)
+    regenerate(target, conversations.select([0, 1]), tmp_path / "first", **settings)
+    partial = tmp_path / "partial"  # an unfinished run gives the shards it finished
+    regenerate(target, conversations.select([2]), partial, **settings)
+    (partial / "dataset").rename(tmp_path / "moved")
+    manifest = json.loads((partial / "manifest.json").read_text())
+    (partial / "manifest.json").write_text(json.dumps(manifest | {"complete": False}))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "manifest.json").write_text("{not json")  # unreadable: ignored, not an error
+    monkeypatch.setattr(CountingEngine, "prompts", [])
+    monkeypatch.setattr(regen_module, "Engine", CountingEngine)
+    capfd.readouterr()
+
+    order = [3, 1, 4, 0, 2]  # two new prompts among three answered before, in another order
+    out = regenerate(target, conversations.select(order), tmp_path / "more",
+                     reuse=sorted(tmp_path.iterdir()), **settings)
+    assert out.to_list() == [reference[i] for i in order]  # exactly what decoding them gives
+    new = {tuple(reference[i]["input_ids"][: reference[i]["prompt_len"]]) for i in (3, 4)}
+    assert set(CountingEngine.prompts) == new and len(CountingEngine.prompts) == 2
+    assert "3 of 5 answers taken from earlier runs" in capfd.readouterr().err
+
+    # Nothing is reused across other settings: another max_new_tokens, or sampling (a row's seed is its index).
+    CountingEngine.prompts.clear()
+    shorter = regenerate(target, conversations.select([0, 1]), tmp_path / "shorter", reuse=[tmp_path / "first"],
+                         **(settings | {"max_new_tokens": MAX_NEW - 2}))
+    assert len(CountingEngine.prompts) == 2 and all(len(r["input_ids"]) <= r["prompt_len"] + MAX_NEW - 2 for r in shorter)
+    CountingEngine.prompts.clear()
+    regenerate(target, conversations.select([0, 1]), tmp_path / "sampled", reuse=[tmp_path / "first"],
+               temperature=0.8, seed=1, **settings)
+    assert len(CountingEngine.prompts) == 2

@@ -78,3 +78,22 @@ def test_a_self_source_adds_prompts_the_target_writes(target, prompts, tmp_path)
     assert data.source["prompts"] == [str(prompts), "self:12"]
     with pytest.raises(InvalidInputError, match="self:N"):
         prepare_data(recipe(prompts, tmp_path, "data.prompts=[self:many]"), target, is_main=True, progress=False)
+
+
+def test_adding_prompts_answers_only_the_new_ones(target, prompts, tmp_path, monkeypatch):
+    import draftsmith.data.regenerate as regen_module
+
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"prompt": f"another question {i}"}) + "\n" for i in range(4)))
+    first = prepare_data(recipe(prompts, tmp_path / "cache"), target, is_main=True, progress=False)
+    decoded = []
+    real_add = regen_module.Engine.add
+    monkeypatch.setattr(regen_module.Engine, "add", lambda self, request: (decoded.append(request.prompt),
+                                                                          real_add(self, request))[1])
+    both = prepare_data(recipe(f"{prompts},{more}", tmp_path / "cache"), target, is_main=True, progress=False)
+    known = {tuple(r[:p]) for r, p in zip(first.train["input_ids"], first.train["prompt_len"])}
+    rows = [tuple(r[:p]) for r, p in zip(both.train["input_ids"], both.train["prompt_len"])]
+    assert len(rows) == 12 and len(decoded) == sum(row not in known for row in rows) < 12
+    monkeypatch.undo()
+    fresh = prepare_data(recipe(f"{prompts},{more}", tmp_path / "fresh"), target, is_main=True, progress=False)
+    assert both.train.to_list() == fresh.train.to_list()  # the same rows as answering every prompt anew
