@@ -433,10 +433,10 @@ class Eagle3Kind(DrafterKind):
         positions = positions[positions[:, 1] >= steps - 1]
         rows, t = positions[:, 0], positions[:, 1]
         students = module(ids[:, 1:], features[:, :-1], mask[:, 1:], positions, steps)
-        teacher_logits = teacher.logits(last[rows, t + 1])  # exact, online or from cached states
-        target_top = teacher_logits.argmax(-1)
-        # The target restricted to the draft vocabulary; the loss's softmax renormalises it.
-        teacher_logits = teacher_logits[:, drafter.draft_to_target]
+        # The target restricted to the draft vocabulary (only its lm_head rows: a sixth of SmolLM2's); the
+        # loss's softmax renormalises it. Exact, online or from cached states.
+        teacher_logits = teacher.logits(last[rows, t + 1], vocab=drafter.draft_to_target)
+        target_top = teacher.top(torch.stack([rows, t + 1], dim=-1), batch, last)
         labels = draft_index(drafter, ids[rows, t + 2])
         top = draft_index(drafter, target_top)  # -100 where the target's top token cannot be drafted
         total, weights, metrics = 0.0, 0.0, {}

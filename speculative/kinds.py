@@ -67,16 +67,21 @@ class Teacher(Protocol):
 
     `hidden(batch)`: [B, L, H] the target's last hidden states (no grad). `states(batch, layers)`:
     [B, L, len(layers) * H] the states entering those layers (-1: the last), online or from the cache
-    when the kind names them in `teacher_layers`. `logits(hidden)`: [N, V] the target's lm_head over
-    last hidden states [N, H]. `at(positions, batch, hidden=None)`: (teacher logits [N, V], None) online or (None, probabilities [N, V]) offline, at
-    positions [N, 2] (row, t). `loss(student, labels)`: the recipe's divergence between the student's
-    logits [N, V'] and the teacher given as `teacher_logits=` / `teacher_probs=`."""
+    when the kind names them in `teacher_layers`. `logits(hidden, vocab=None)`: [N, V] the target's lm_head
+    over last hidden states [N, H]; given target ids `vocab` [V'], [N, V'] from those rows of the lm_head
+    only. `top(positions, batch, hidden)`: [N] the target's greedy token after positions [N, 2] (row, t),
+    from the teacher cache's top-1 (no lm_head pass) or the lm_head over `hidden` [B, L, H].
+    `at(positions, batch, hidden=None)`: (teacher logits [N, V], None) online or (None, probabilities
+    [N, V]) offline, at positions [N, 2] (row, t). `loss(student, labels)`: the recipe's divergence
+    between the student's logits [N, V'] and the teacher given as `teacher_logits=` / `teacher_probs=`."""
 
     def hidden(self, batch: dict) -> torch.Tensor: ...
 
     def states(self, batch: dict, layers) -> torch.Tensor: ...
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def logits(self, hidden: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def top(self, positions: torch.Tensor, batch: dict, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def at(self, positions: torch.Tensor, batch: dict, hidden: torch.Tensor | None = None): ...
 

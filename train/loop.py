@@ -32,6 +32,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -230,9 +231,23 @@ class Teacher:
         return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
     @torch.no_grad()
-    def logits(self, hidden) -> torch.Tensor:
-        """[N, V] the target's logits from its last hidden states [N, H] (its lm_head), no grad."""
-        return self.target.model.get_output_embeddings()(hidden)
+    def logits(self, hidden, vocab=None) -> torch.Tensor:
+        """[N, V] the target's logits from its last hidden states [N, H] (its lm_head), no grad; given
+        target ids `vocab` [V'], [N, V'] from only those rows of the lm_head (a drafter's vocabulary)."""
+        head = self.target.model.get_output_embeddings()
+        if vocab is None:
+            return head(hidden)
+        bias = head.bias[vocab] if getattr(head, "bias", None) is not None else None
+        return F.linear(hidden, head.weight[vocab], bias)
+
+    @torch.no_grad()
+    def top(self, positions, batch, hidden) -> torch.Tensor:
+        """[N] the target's greedy token after positions [N, 2] (row, t): the teacher cache's top-1 (taken
+        from the target's full-precision states when the cache was built), else the lm_head over `hidden`."""
+        rows, t = positions[:, 0], positions[:, 1]
+        if self.data.teacher is not None:
+            return padded_cache_field(batch, self.data, "topk_ids")[rows, t, 0].long()
+        return self.logits(hidden[rows, t]).argmax(-1)
 
     def loss(self, student, labels, *, teacher_logits=None, teacher_probs=None) -> torch.Tensor:
         cfg = self.recipe.loss

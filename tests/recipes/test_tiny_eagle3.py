@@ -60,6 +60,16 @@ def test_offline_teacher_caches_the_layers_it_reads_and_trains_as_online(tmp_pat
               for mode, recipe in (("online", online), ("offline", offline))]
     torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-4, rtol=1e-4)
     assert losses[0][1] == losses[1][1] > 0
+    assert losses[0][2] == losses[1][2]  # agreement with the target's top token: argmax online, cached top-1 offline
+    # The teacher's logits over the draft vocabulary come from its lm_head rows only, as the full lm_head's
+    # columns; its top token from the cache is the full lm_head's argmax.
+    teachers = {mode: Teacher(target, data[mode], recipe) for mode, recipe in (("online", online), ("offline", offline))}
+    at = real.nonzero()
+    vocab = drafter.draft_to_target
+    torch.testing.assert_close(teachers["online"].logits(live[at[:, 0], at[:, 1], -64:], vocab=vocab),
+                               teachers["online"].logits(live[at[:, 0], at[:, 1], -64:])[:, vocab])
+    tops = [teachers[mode].top(at, batch, states[..., -64:]) for mode, states in (("online", live), ("offline", cached))]
+    assert torch.equal(tops[0], tops[1]) and tops[0].unique().numel() > 1
     # loss.prompt_positions: every real position of the rows counts, not only the answers'
     wide = eagle3_recipe(prompts, tmp_path / "data", "teacher.mode=online", "loss.prompt_positions=true")
     counted = kind.objective(module, drafter, batch, Teacher(target, data["online"], wide), wide)[1]
