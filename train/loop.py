@@ -51,7 +51,7 @@ from draftsmith.speculative.sampling import SamplingParams
 from draftsmith.train.al_eval import acceptance_length
 from draftsmith.train.config import Recipe
 from draftsmith.train.data_prep import TrainingData, prepare_data
-from draftsmith.train.losses import distill_loss
+from draftsmith.train.losses import distill_loss, teacher_distribution
 from draftsmith.train.modules import build_drafter, freeze
 from draftsmith.speculative.options import DecodeOptions
 
@@ -208,6 +208,7 @@ class Teacher:
 
     def __init__(self, target, data: TrainingData, recipe: Recipe):
         self.target, self.data, self.recipe = target, data, recipe
+        self._teacher = None  # (teacher logits, their distribution) of the last loss: held, so `is` is safe
 
     def hidden(self, batch) -> torch.Tensor:
         return target_hidden(batch, self.target, self.data)
@@ -251,8 +252,14 @@ class Teacher:
 
     def loss(self, student, labels, *, teacher_logits=None, teacher_probs=None) -> torch.Tensor:
         cfg = self.recipe.loss
+        dist = None
+        if teacher_logits is not None and cfg.kind != "ce":
+            # An objective scores several draft steps against the same teacher logits: their softmax once.
+            if self._teacher is None or self._teacher[0] is not teacher_logits:
+                self._teacher = (teacher_logits, teacher_distribution(teacher_logits, cfg.temperature))
+            dist = self._teacher[1]
         return distill_loss(cfg.kind, student, labels=labels, teacher_logits=teacher_logits,
-                            teacher_probs=teacher_probs, temperature=cfg.temperature, beta=cfg.beta)
+                            teacher_probs=teacher_probs, teacher=dist, temperature=cfg.temperature, beta=cfg.beta)
 
 
 @torch.no_grad()
