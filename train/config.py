@@ -241,6 +241,12 @@ class TrainConfig(Section):
     keep_best: bool = False
     """Write the weights of the best held-out evaluation (periodic or final), not the last ones (re-tuning)."""
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value):
+        # YAML reads a bare `no` (and `false`) as the boolean false: `train.mixed_precision=no` means "no".
+        return "no" if value is False else value
+
 
 class TrackingConfig(Section):
     report_to: Literal["wandb", "tensorboard", "none"] = "wandb"

@@ -21,6 +21,15 @@ def test_overrides_use_dotted_keys_and_yaml_values():
     assert recipe.head_weights() == pytest.approx([1.0, 0.8, 0.64])
 
 
+def test_mixed_precision_no_survives_yaml():
+    # YAML 1.1 reads a bare `no` as false; the recipe key still means full precision, not an error.
+    for value in ("no", "false", "'no'"):
+        assert load_recipe("tiny-medusa", [f"train.mixed_precision={value}"]).train.mixed_precision == "no"
+    assert load_recipe("tiny-medusa", ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+    with pytest.raises(InvalidInputError, match="train.mixed_precision"):
+        load_recipe("tiny-medusa", ["train.mixed_precision=yes"])
+
+
 @pytest.mark.parametrize("override, message", [
     ("train.stepz=3", "unknown key 'train.stepz'"),
     ("bogus=1", "unknown key 'bogus'"),
