@@ -133,13 +133,18 @@ def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_p
 @pytest.mark.slow
 def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_path, monkeypatch, capsys):
     """benchmarks/drafter_gap.py rebuilds a drafter's recipe from its record and scores its objective's
-    agreement on its training rows, its held-out prompts and other prompts, side by side."""
+    agreement on its training rows, its held-out prompts and other prompts, side by side: the trained
+    drafter above the same recipe's drafter one negligible step from its initialisation, on the rows it
+    trained on and on its held-out prompts. (Which of a tiny random target's sets is easiest to predict
+    is the target's accident, so the sets are not ranked against each other.)"""
     import importlib.util
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    out = tmp_path / "run"
-    train(load_recipe("tiny-eagle3", [f"output_dir={out}", f"data.cache_dir={tmp_path / 'data'}",
-                                      "tracking.report_to=none"]), progress=False)
+    common = [f"data.cache_dir={tmp_path / 'data'}", "tracking.report_to=none"]
+    out, untrained = tmp_path / "run", tmp_path / "untrained"
+    train(load_recipe("tiny-eagle3", [f"output_dir={out}", *common]), progress=False)
+    train(load_recipe("tiny-eagle3", [f"output_dir={untrained}", *common, "train.steps=1", "train.lr=1e-12",
+                                      "train.warmup_steps=0", "train.eval_every=0"]), progress=False)
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"prompt": f"zq{'wv' * (i % 5)} {i}?"}) + "\n" for i in range(6)))
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -148,13 +153,19 @@ def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_pat
     drafter_gap = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(drafter_gap)
 
-    report = tmp_path / "gap.json"
-    assert drafter_gap.main(["--drafter", str(out / "drafter"), "--train-rows", "16", "--prompts", "6",
-                             "--prompt-sets", str(other), "--max-new-tokens", "16", "--json", str(report)]) == 0
-    results = json.loads(report.read_text())["results"]
+    def gap(run):
+        report = tmp_path / f"gap-{run.name}.json"
+        assert drafter_gap.main(["--drafter", str(run / "drafter"), "--train-rows", "16", "--prompts", "6",
+                                 "--prompt-sets", str(other), "--max-new-tokens", "16", "--json", str(report)]) == 0
+        return json.loads(report.read_text())["results"]
+
+    results, before = gap(out), gap(untrained)
     assert set(results) == {"train", "held-out", "eval"} and all(r["positions"] > 0 for r in results.values())
     assert results["train"]["rows"] == 16 and results["eval"]["rows"] == 6
     steps = [k for k in results["train"] if k.startswith("agreement/")]
     assert steps == ["agreement/pos1", "agreement/pos2", "agreement/pos3"]  # the recipe's draft steps
-    assert results["train"]["agreement/pos1"] > results["eval"]["agreement/pos1"]
+    for rows in ("train", "held-out"):  # the same rows and prompts for both drafters
+        assert results[rows]["positions"] == before[rows]["positions"]
+        assert results[rows]["agreement/pos1"] > before[rows]["agreement/pos1"] + 0.1
+        assert results[rows]["loss"] < before[rows]["loss"]
     assert "held-out" in capsys.readouterr().out
