@@ -406,10 +406,36 @@ def check_output_dir(out: Path) -> None:
         raise InvalidInputError(f"cannot write to output_dir {out}: {exc.strerror or exc}") from None
 
 
+def resolve_precision(setting: str) -> str:
+    """train.mixed_precision as accelerate takes it. auto: bf16 on a GPU that supports it, and on a CPU that
+    computes bf16 products in hardware (on other CPUs bf16 is emulated and slower than float32), else no."""
+    if setting != "auto":
+        return setting
+    if torch.cuda.is_available():
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cpu_has_native_bf16() else "no"
+
+
+# CPU feature flags (Linux /proc/cpuinfo) for bf16 arithmetic in hardware: x86's AVX512-BF16 and AMX-BF16,
+# Arm's BF16 extension.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:  # not Linux: no way to tell here, so no
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return not NATIVE_BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:
-    precision = recipe.train.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    precision = resolve_precision(recipe.train.mixed_precision)
     log_with = None if recipe.tracking.report_to == "none" else recipe.tracking.report_to
     return Accelerator(mixed_precision=precision, log_with=log_with, project_dir=str(out / "logs"))
 
@@ -453,6 +479,7 @@ def training_summary(recipe, state: TrainerState, al_after: dict, data: Training
         "resumed": resumed,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "eval_draft_len": recipe.train.eval_draft_len,
+        "mixed_precision": resolve_precision(recipe.train.mixed_precision),
     }
 
 

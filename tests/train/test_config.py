@@ -59,3 +59,32 @@ def test_missing_and_malformed_recipe_files(tmp_path):
     bad.write_text("name: x\n")
     with pytest.raises(InvalidInputError, match="missing required key 'output_dir'"):
         load_recipe(str(bad))
+
+
+@pytest.mark.parametrize("flags, native", [
+    ("fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_fp16", True),   # Zen 4/5, Sapphire Rapids
+    ("fpu sse2 avx2 avx512f amx_tile amx_bf16 amx_int8", True),
+    ("fpu sse2 avx2 avx512f avx512bw avx512_vnni", False),               # Skylake-SP: bf16 only emulated
+    ("fpu sse2 avx avx2", False),
+])
+def test_auto_precision_is_bf16_only_on_cpus_with_bf16_in_hardware(tmp_path, monkeypatch, flags, native):
+    from draftsmith.train import loop
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert loop.cpu_has_native_bf16(str(cpuinfo)) is native
+    monkeypatch.setattr(loop.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: native)
+    assert loop.resolve_precision("auto") == ("bf16" if native else "no")
+    assert loop.resolve_precision("no") == "no" and loop.resolve_precision("bf16") == "bf16"
+
+
+def test_cpu_feature_flags_of_arm_and_of_no_cpuinfo(tmp_path):
+    from draftsmith.train.loop import cpu_has_native_bf16
+
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve sve2 bf16 i8mm\nCPU implementer\t: 0x41\n")
+    assert cpu_has_native_bf16(str(arm))
+    older = tmp_path / "older-arm"
+    older.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm aes crc32\n")
+    assert not cpu_has_native_bf16(str(older)) and not cpu_has_native_bf16(str(tmp_path / "none"))
