@@ -225,8 +225,9 @@ class TrainConfig(Section):
     """Linear warmup, then cosine decay to zero at `steps`."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
-    """auto: bf16 autocast on a GPU that supports it and on a CPU with bf16 arithmetic in hardware (AVX512-BF16,
-    AMX, Arm BF16), else full precision. The drafter's weights and optimizer stay float32 either way."""
+    """auto: bf16 autocast on a GPU that supports it, else full precision. bf16 on a CPU pays where the CPU has
+    bf16 arithmetic (AVX512-BF16, AMX, Arm BF16; elsewhere a warning). The drafter's weights and optimizer stay
+    float32 either way."""
     seed: int = 0
     eval_every: int = Field(50, ge=0)
     """Steps between acceptance-length evaluations on the held-out prompts (0 = only before and after)."""

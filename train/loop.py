@@ -407,17 +407,16 @@ def check_output_dir(out: Path) -> None:
 
 
 def resolve_precision(setting: str) -> str:
-    """train.mixed_precision as accelerate takes it. auto: bf16 on a GPU that supports it, and on a CPU that
-    computes bf16 products in hardware (on other CPUs bf16 is emulated and slower than float32), else no."""
+    """train.mixed_precision as accelerate takes it. auto: bf16 on a GPU that supports it, else no (on a CPU
+    bf16 autocast is a recipe's own choice: it cost the quickstart's EAGLE drafter 0.06 AL at equal steps,
+    docs/results.md "bf16 autocast on a CPU")."""
     if setting != "auto":
         return setting
-    if torch.cuda.is_available():
-        return "bf16" if torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cpu_has_native_bf16() else "no"
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
 # CPU feature flags (Linux /proc/cpuinfo) for bf16 arithmetic in hardware: x86's AVX512-BF16 and AMX-BF16,
-# Arm's BF16 extension.
+# Arm's BF16 extension. Elsewhere bf16 products are emulated, slower than float32.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
@@ -436,6 +435,9 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:
     precision = resolve_precision(recipe.train.mixed_precision)
+    if precision == "bf16" and not torch.cuda.is_available() and not cpu_has_native_bf16():
+        print("draftsmith: warning: train.mixed_precision=bf16, and this CPU shows no bf16 arithmetic (AVX512-BF16, "
+              "AMX, Arm BF16): emulated bf16 can train slower than float32 (train.mixed_precision=no)", file=sys.stderr)
     log_with = None if recipe.tracking.report_to == "none" else recipe.tracking.report_to
     return Accelerator(mixed_precision=precision, log_with=log_with, project_dir=str(out / "logs"))
 

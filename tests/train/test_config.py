@@ -62,12 +62,13 @@ def test_missing_and_malformed_recipe_files(tmp_path):
 
 
 @pytest.mark.parametrize("flags, native", [
-    ("fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_fp16", True),   # Zen 4/5, Sapphire Rapids
+    ("fpu sse2 avx2 avx512f avx512bw avx512_bf16 avx512_fp16", True),   # Zen 4/5, Cooper Lake on
     ("fpu sse2 avx2 avx512f amx_tile amx_bf16 amx_int8", True),
     ("fpu sse2 avx2 avx512f avx512bw avx512_vnni", False),               # Skylake-SP: bf16 only emulated
     ("fpu sse2 avx avx2", False),
 ])
-def test_auto_precision_is_bf16_only_on_cpus_with_bf16_in_hardware(tmp_path, monkeypatch, flags, native):
+def test_bf16_on_a_cpu_is_asked_for_and_warned_about_where_it_is_emulated(tmp_path, monkeypatch, capsys,
+                                                                         flags, native):
     from draftsmith.train import loop
 
     cpuinfo = tmp_path / "cpuinfo"
@@ -75,8 +76,13 @@ def test_auto_precision_is_bf16_only_on_cpus_with_bf16_in_hardware(tmp_path, mon
     assert loop.cpu_has_native_bf16(str(cpuinfo)) is native
     monkeypatch.setattr(loop.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: native)
-    assert loop.resolve_precision("auto") == ("bf16" if native else "no")
-    assert loop.resolve_precision("no") == "no" and loop.resolve_precision("bf16") == "bf16"
+    assert loop.resolve_precision("auto") == "no"  # a CPU: autocast only where a recipe asks for it
+    assert loop.resolve_precision("bf16") == "bf16" and loop.resolve_precision("no") == "no"
+    accelerator = loop.make_accelerator(load_recipe("tiny-medusa", ["train.mixed_precision=bf16",
+                                                                    "tracking.report_to=none"]), tmp_path)
+    assert accelerator.mixed_precision == "bf16"
+    warned = capsys.readouterr().err
+    assert ("no bf16 arithmetic" in warned) is not native and "\n" not in warned.strip()
 
 
 def test_cpu_feature_flags_of_arm_and_of_no_cpuinfo(tmp_path):
