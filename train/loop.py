@@ -435,11 +435,15 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:
     precision = resolve_precision(recipe.train.mixed_precision)
+    warn_if_bf16_is_emulated(precision)
+    log_with = None if recipe.tracking.report_to == "none" else recipe.tracking.report_to
+    return Accelerator(mixed_precision=precision, log_with=log_with, project_dir=str(out / "logs"))
+
+
+def warn_if_bf16_is_emulated(precision: str) -> None:
     if precision == "bf16" and not torch.cuda.is_available() and not cpu_has_native_bf16():
         print("draftsmith: warning: train.mixed_precision=bf16, and this CPU shows no bf16 arithmetic (AVX512-BF16, "
               "AMX, Arm BF16): emulated bf16 can train slower than float32 (train.mixed_precision=no)", file=sys.stderr)
-    log_with = None if recipe.tracking.report_to == "none" else recipe.tracking.report_to
-    return Accelerator(mixed_precision=precision, log_with=log_with, project_dir=str(out / "logs"))
 
 
 def start_trackers(accelerator, recipe: Recipe, out: Path, resumed: bool) -> None:
