@@ -247,13 +247,22 @@ def device_name(device: torch.device | str = "cpu") -> str:
 
 @functools.cache
 def _cpu_name() -> str:  # read once per process: every lookup of a stored value names the machine
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def cpuinfo_field(*keys: str, path: str = "/proc/cpuinfo") -> str | None:
+    """The value on the first line of /proc/cpuinfo (Linux) whose key is one of `keys` (any case); None where
+    there is no such line or no such file."""
+    wanted = {key.lower() for key in keys}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path(path).read_text(errors="replace")
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in wanted:
+            return value.strip()
+    return None
 
 
 @functools.cache

@@ -41,6 +41,7 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
 from draftsmith.speculative import kinds
+from draftsmith.speculative.calibrate import cpuinfo_field
 from draftsmith.speculative.checkpoint import DrafterInfo, save_drafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.fileio import atomic_file, atomic_write_json
@@ -145,7 +146,7 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
         al_after = evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
         if recipe.train.keep_best:
             al_after = restore_if_better(drafter, state, al_after, out)
-        summary = training_summary(recipe, state, al_after, data, resumed)
+        summary = training_summary(recipe, state, al_after, data, resumed, accelerator.mixed_precision)
         save_final(drafter, target, recipe, summary, out, lineage)
         atomic_write_json(out / "summary.json", summary)
     accelerator.wait_for_everyone()
@@ -409,7 +410,7 @@ def check_output_dir(out: Path) -> None:
 def resolve_precision(setting: str) -> str:
     """train.mixed_precision as accelerate takes it. auto: bf16 on a GPU that supports it, else no (on a CPU
     bf16 autocast is a recipe's own choice: it cost the quickstart's EAGLE drafter 0.06 AL at equal steps,
-    docs/results.md "bf16 autocast on a CPU")."""
+    docs/results.md "`train.mixed_precision: auto` stays float32 on a CPU")."""
     if setting != "auto":
         return setting
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -422,15 +423,8 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    try:
-        text = Path(cpuinfo).read_text(errors="replace")
-    except OSError:  # not Linux: no way to tell here, so no
-        return False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return not NATIVE_BF16_FLAGS.isdisjoint(value.split())
-    return False
+    flags = cpuinfo_field("flags", "features", path=cpuinfo)  # x86 says flags, Arm features; not Linux: no
+    return flags is not None and not NATIVE_BF16_FLAGS.isdisjoint(flags.split())
 
 
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:
@@ -469,7 +463,8 @@ def flat_config(recipe: Recipe) -> dict:
     return flat
 
 
-def training_summary(recipe, state: TrainerState, al_after: dict, data: TrainingData, resumed: bool) -> dict:
+def training_summary(recipe, state: TrainerState, al_after: dict, data: TrainingData, resumed: bool,
+                     mixed_precision: str) -> dict:
     return {
         "recipe": recipe.name,
         "steps": state.step,
@@ -485,7 +480,7 @@ def training_summary(recipe, state: TrainerState, al_after: dict, data: Training
         "resumed": resumed,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "eval_draft_len": recipe.train.eval_draft_len,
-        "mixed_precision": resolve_precision(recipe.train.mixed_precision),
+        "mixed_precision": mixed_precision,  # as accelerate ran it
     }
 
 
