@@ -30,7 +30,15 @@ Answers already written: `reuse` names other regeneration directories (finished 
 the other `regen-*` caches of a recipe's data.cache_dir). A greedy answer depends only on the target, its
 tokenizer, the rendered prompt ids and max_new_tokens, so a record whose prompt ids one of them answered
 greedily with the same target and limit takes that answer instead of being decoded again: adding prompts
-to a recipe answers only the new ones. Sampled runs reuse nothing (a row's seed is tied to its index).
+to a recipe answers only the new ones. A sampled row depends on its seed as well (`row_seed`, from the
+run's seed and the row's index), so it takes an earlier sampled row with the same prompt, seed and
+sampling settings: `self:N` prompts grown to a larger N write only the new ones.
+
+The dtype the target runs in is recorded when it is not float32 (bfloat16 roughly doubles the decoding
+throughput of a CPU with bf16 arithmetic at regeneration's batch sizes). A lower-precision target's
+answers are its own, not the float32 target's token for token, so they are cached apart; a run in
+bfloat16 or float16 still takes float32 answers already written for the same prompts (the target's own
+text, which the lower-precision answers approximate), never the reverse.
 
 Throughput: one engine (speculative/engine.py) answers every shard with at most batch_size rows; a
 finished row leaves at once and a waiting prompt joins in its place, and prompts are queued shard by
@@ -50,10 +58,12 @@ from hashlib import sha256
 from pathlib import Path
 
 import datasets
+import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.manifest import open_run_dir, read_manifest, shard_range, write_manifest
 from draftsmith.data.render import TOKEN_FEATURES, render_prompt, render_user_turn
+from draftsmith.speculative.dtypes import dtype_name
 from draftsmith.speculative.errors import InvalidInputError, first_line
 from draftsmith.speculative.fileio import atomic_directory, atomic_write_text
 from draftsmith.speculative.engine import Engine
@@ -98,7 +108,8 @@ def regenerate(
     batch_size, proposer and draft_len change speed only, so a rerun may change them freely.
     role="user" makes the target write the next user turn instead of an answer (the conversations may
     then be empty; see draftsmith.data.self_prompts); the new message gets that role. `reuse`: other
-    regeneration directories whose greedy answers stand in for decoding the same prompts (module docstring).
+    regeneration directories whose rows stand in for decoding the same prompts (module docstring). The
+    target decodes in the dtype its model is in (recorded in the manifest when not float32).
     """
     _check_args(conversations, max_new_tokens, batch_size, shard_size, draft_len)
     SamplingParams(temperature=temperature, top_p=top_p, seed=0)  # validates the sampling settings
@@ -120,6 +131,9 @@ def regenerate(
     }
     if role != "assistant":  # (absent for answers, so the manifests written before this option still match)
         settings["role"] = role
+    dtype = model_dtype(target.model)
+    if dtype != FULL_PRECISION:  # (absent for float32, likewise)
+        settings["dtype"] = dtype
     num_shards = math.ceil(len(conversations) / shard_size)
     manifest = open_run_dir(out_dir, KIND, settings, num_shards)
     if manifest["complete"] and (out_dir / "dataset").is_dir():
@@ -130,7 +144,7 @@ def regenerate(
     done = {s for s in manifest["shards_done"] if (shard_dir / shard_name(s)).is_file()}
     if done:
         print(f"regenerate: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
-    donors = _donor_answers(reuse, settings, out_dir) if settings["temperature"] == 0 and role == "assistant" else {}
+    donors = _donor_answers(reuse, settings, out_dir)
     decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stop_token_ids(target.model, target.tokenizer))
     done_records = sum(len(shard_range(s, shard_size, len(conversations))) for s in done)
     with tqdm(total=len(conversations), initial=done_records, unit="rec", desc=desc,
@@ -145,7 +159,7 @@ def regenerate(
             write_manifest(out_dir, manifest)
     if reused[0]:
         print(f"regenerate: {reused[0]} of {len(conversations) - done_records} answers taken from earlier runs "
-              f"(the same prompts, answered greedily by the same target)", file=sys.stderr)
+              f"(the same prompts and seeds, decoded by the same target)", file=sys.stderr)
     return _finish(out_dir, manifest, num_shards, len(conversations), progress)
 
 
@@ -192,9 +206,9 @@ def _generate_shards(decoder, tokenizer, conversations, shards: list[int], setti
     queued in order of prompt length (length bucketing: rows that join together are prefilled with little
     padding), and the next shard's as soon as fewer than `batch_size` wait, so shard ends do not drain it
     either. Outputs do not depend on this schedule: a greedy row is the target's greedy decoding of it
-    alone, a sampled row draws from its own seed (`row_seed`). A row whose prompt is in `donors` (prompt
-    key -> (generated ids, finish reason), `_donor_answers`) takes that answer without decoding; `reused`
-    counts them.
+    alone, a sampled row draws from its own seed (`row_seed`). A row whose prompt and seed are in `donors`
+    (`_donor_key` -> (generated ids, finish reason), `_donor_answers`) takes that answer without decoding;
+    `reused` counts them.
     """
     reused = [0] if reused is None else reused
     # Rows join in groups of a quarter batch: each join copies the running cache (engine.py, min_join).
@@ -211,7 +225,7 @@ def _generate_shards(decoder, tokenizer, conversations, shards: list[int], setti
             rows = [_prompt_row(conversations[r], r, need_user=role == "assistant") for r in records]
             run = running[shard] = _ShardRun(rows, [render(tokenizer, row["messages"]) for row in rows])
             for k, prompt in enumerate(run.prompts):
-                answer = donors.get(_prompt_key(prompt)) if donors else None
+                answer = donors.get(_donor_key(prompt, _seed_of(settings, records[k]))) if donors else None
                 if answer is not None:
                     _complete_row(run.rows[k], tokenizer, prompt, answer[0], answer[1], role)
                     run.answered.add(k)
@@ -249,18 +263,34 @@ class _ShardRun:
         self.answered: set[int] = set()  # rows that took an earlier run's answer
 
 
-def _prompt_key(prompt: list[int]) -> bytes:
-    return sha256(json.dumps(list(prompt)).encode()).digest()
+def model_dtype(model: torch.nn.Module) -> str:
+    """The name of the floating-point dtype `model`'s parameters are in (float32 for one with none)."""
+    return next((dtype_name(p.dtype) for p in model.parameters() if p.is_floating_point()), FULL_PRECISION)
 
 
+def _seed_of(settings: dict, index: int) -> int | None:
+    """Record `index`'s sampling seed, or None for a greedy run (whose answers do not depend on it)."""
+    return None if settings["temperature"] == 0 else row_seed(settings["seed"], index)
+
+
+def _donor_key(prompt: list[int], seed: int | None) -> bytes:
+    return sha256(json.dumps([list(prompt), seed]).encode()).digest()
+
+
+FULL_PRECISION = "float32"
 REUSE_SETTINGS = ("target_weight_hash", "tokenizer_hash", "max_new_tokens", "temperature", "role")
+SAMPLED_REUSE_SETTINGS = ("top_p",)  # besides the seed, which is per row
 
 
 def _donor_answers(dirs: Iterable[Path], settings: dict, out_dir: Path) -> dict[bytes, tuple[list[int], str]]:
-    """prompt key -> (generated ids, finish reason) from every finished shard of the regeneration runs in
-    `dirs` that answered greedily with the same target, tokenizer and max_new_tokens (and assistant turns).
+    """(prompt, seed) key -> (generated ids, finish reason) from every finished shard of the regeneration
+    runs in `dirs` that decoded with the same target, tokenizer, max_new_tokens, temperature and role (and
+    top_p, for sampled runs, whose rows are keyed by their seeds too), in the same dtype or in float32.
     Directories that are not such runs (other settings, another kind, unreadable) give nothing; `out_dir`
     itself is skipped."""
+    sampled = settings["temperature"] != 0
+    wanted = REUSE_SETTINGS + (SAMPLED_REUSE_SETTINGS if sampled else ())
+    dtype = settings.get("dtype", FULL_PRECISION)
     answers: dict[bytes, tuple[list[int], str]] = {}
     for directory in dirs:
         directory = Path(directory)
@@ -271,17 +301,20 @@ def _donor_answers(dirs: Iterable[Path], settings: dict, out_dir: Path) -> dict[
         except InvalidInputError:
             continue
         stored = manifest["settings"]
-        if any(stored.get(key) != settings.get(key) for key in REUSE_SETTINGS) or stored.get("temperature") != 0:
+        if (any(stored.get(key) != settings.get(key) for key in wanted)
+                or stored.get("dtype", FULL_PRECISION) not in (dtype, FULL_PRECISION)):
             continue
         for shard in manifest["shards_done"]:
             path = directory / "shards" / shard_name(shard)
+            records = shard_range(shard, stored["shard_size"], stored["num_records"])
             try:
-                rows = _read_shard(path, len(shard_range(shard, stored["shard_size"], stored["num_records"])))
+                rows = _read_shard(path, len(records))
             except InvalidInputError:
                 continue
-            for row in rows:
+            for index, row in zip(records, rows):
                 cut = row["prompt_len"]
-                answers.setdefault(_prompt_key(row["input_ids"][:cut]), (row["input_ids"][cut:], row["finish_reason"]))
+                key = _donor_key(row["input_ids"][:cut], _seed_of(stored, index))
+                answers.setdefault(key, (row["input_ids"][cut:], row["finish_reason"]))
     return answers
 
 

@@ -12,6 +12,7 @@ and repeats are dropped: a `self:N` source yields at most N prompts.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import datasets
@@ -43,13 +44,16 @@ def self_prompt_count(spec: str) -> int:
 
 
 def write_prompts(target: LoadedModel, count: int, out_dir: Path, *, seed: int = 0, batch_size: int = 16,
-                  progress: bool = True) -> datasets.Dataset:
+                  progress: bool = True, reuse: Iterable[Path] = ()) -> datasets.Dataset:
     """`count` user requests written by `target` (see the module docstring), as a conversations dataset
-    (id, category "self", messages = [the user turn]) with the unusable ones dropped; cached in `out_dir`."""
+    (id, category "self", messages = [the user turn]) with the unusable ones dropped; cached in `out_dir`.
+    `reuse`: directories of earlier `write_prompts` runs; request i is drawn from its own seed (seed, i),
+    so the ones an earlier run with the same seed wrote are taken, not written again."""
     blank = datasets.Dataset.from_dict({"id": [f"self-{i}" for i in range(count)], "category": ["self"] * count,
                                         "messages": [[] for _ in range(count)]}, features=_SEED_FEATURES)
     written = regenerate(target, blank, out_dir, max_new_tokens=MAX_PROMPT_TOKENS, temperature=TEMPERATURE,
-                         seed=seed, batch_size=batch_size, progress=progress, role="user", desc="writing prompts")
+                         seed=seed, batch_size=batch_size, progress=progress, role="user", desc="writing prompts",
+                         reuse=reuse)
     seen, keep = set(), []
     for index, (reason, messages) in enumerate(zip(written["finish_reason"], written["messages"])):
         text = messages[-1]["content"].strip()

@@ -8,6 +8,9 @@ run or another recipe with the same data reuses them, and different settings nev
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -97,6 +100,7 @@ def data_options(recipe: Recipe) -> dict:
     options = {"columns": cfg.columns.model_dump(exclude_none=True) or None, "data_seed": cfg.seed,
                "shuffle": cfg.shuffle or None, "streaming": cfg.streaming or None,
                "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None,
+               "regen_dtype": cfg.regen_dtype if cfg.regen_dtype != "float32" else None,
                "sources": [entry.model_dump(exclude_none=True) for entry in source_entries(recipe)]
                if any(isinstance(p, PromptSource) for p in cfg.prompts) else None}
     return {k: v for k, v in options.items() if v is not None}
@@ -109,6 +113,17 @@ def split_fixed(recipe: Recipe, records: datasets.Dataset) -> tuple[datasets.Dat
     answered = records.filter(lambda row: not row[FIXED], desc="regenerated sources").remove_columns(FIXED)
     fixed = records.filter(lambda row: row[FIXED], desc="fixed sources").remove_columns(FIXED)
     return (answered if len(answered) else None), (fixed if len(fixed) else None)
+
+
+def regen_target(target: LoadedModel, dtype: str) -> LoadedModel:
+    """`target` in `dtype` for writing prompts and answers (data.regen_dtype): itself when it already is,
+    else a copy cast to it (the loaded target stays as it is for the teacher and the evaluation)."""
+    wanted = DTYPES[dtype]
+    if all(p.dtype == wanted for p in target.model.parameters() if p.is_floating_point()):
+        return target
+    cast = dataclasses.replace(target, model=copy.deepcopy(target.model).to(wanted))
+    cast._weight_hash = target.weight_hash()  # the same checkpoint (its hash does not depend on the dtype)
+    return cast
 
 
 def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: Path | None = None,
@@ -139,9 +154,14 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
         if not is_self_spec(spec):
             return load_conversations(spec, columns, limit=limit, shuffle_seed=shuffle_seed)
         count = self_prompt_count(spec)
-        key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed)
-        return write_prompts(target, count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
-                             batch_size=cfg.regen_batch_size, progress=progress)
+        key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed,
+                        **({"dtype": cfg.regen_dtype} if cfg.regen_dtype != "float32" else {}))
+        # Prompts written before (a smaller N, the same seed) are taken, not sampled again.
+        return write_prompts(writer(), count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
+                             batch_size=cfg.regen_batch_size, progress=progress,
+                             reuse=sorted(Path(cache_root).glob("prompts-*")))
+
+    writer = functools.cache(lambda: regen_target(target, cfg.regen_dtype))
 
     parts = [load(entry) for entry in entries]
     if not parts:
@@ -197,15 +217,18 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         passes = [(key, cfg.temperature, recipe.train.seed)]
         passes += [(cache_key(main=key, extra_sample=i, temperature=cfg.sample_temperature), cfg.sample_temperature,
                     recipe.train.seed + 1 + i) for i in range(cfg.extra_samples)]
+        writer = regen_target(target, cfg.regen_dtype)
         for part_key, temperature, seed in passes:
             # Greedy answers the cache already holds for the same prompts (other prompt lists of this
             # target) are taken, not decoded again: adding prompts to a recipe answers only the new ones.
-            regenerated = regenerate(target, answered, cache_root / f"regen-{part_key}",
+            regenerated = regenerate(writer, answered, cache_root / f"regen-{part_key}",
                                      max_new_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed,
                                      batch_size=cfg.regen_batch_size, progress=progress and is_main,
                                      reuse=sorted(cache_root.glob("regen-*")))
             parts.append((part_key, truncate(regenerated, cfg.max_length)))
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
+        source["regen_dtype"] = cfg.regen_dtype
+        del writer
     if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only
         fixed_key = key if answered is None else cache_key(main=key, fixed_sources=True)
         parts.append((fixed_key, tokenize_dataset(answered_by_reference(fixed), target.tokenizer, cfg.max_length)))

@@ -1,9 +1,12 @@
 """Regeneration: the target's own answers, exact, batch-independent, resumable, never mixed."""
 
+import copy
+import dataclasses
 import json
 
 import datasets
 import pytest
+import torch
 
 import draftsmith.data.regenerate as regen_module
 from draftsmith.data.prompts import load_conversations
@@ -233,7 +236,7 @@ def test_answers_of_earlier_greedy_runs_are_reused(target, conversations, refere
     assert set(CountingEngine.prompts) == new and len(CountingEngine.prompts) == 2
     assert "3 of 5 answers taken from earlier runs" in capfd.readouterr().err
 
-    # Nothing is reused across other settings: another max_new_tokens, or sampling (a row's seed is its index).
+    # Nothing is reused across other settings: another max_new_tokens, or sampling (greedy answers are not samples).
     CountingEngine.prompts.clear()
     shorter = regenerate(target, conversations.select([0, 1]), tmp_path / "shorter", reuse=[tmp_path / "first"],
                          **(settings | {"max_new_tokens": MAX_NEW - 2}))
@@ -242,3 +245,28 @@ def test_answers_of_earlier_greedy_runs_are_reused(target, conversations, refere
     regenerate(target, conversations.select([0, 1]), tmp_path / "sampled", reuse=[tmp_path / "first"],
                temperature=0.8, seed=1, **settings)
     assert len(CountingEngine.prompts) == 2
+
+
+def test_a_lower_precision_target_is_cached_apart_and_takes_float32_answers(target, conversations, reference,
+                                                                            tmp_path, monkeypatch):
+    settings = dict(max_new_tokens=MAX_NEW, shard_size=2, batch_size=2, progress=False)
+    bf16 = dataclasses.replace(target, model=copy.deepcopy(target.model).to(torch.bfloat16))
+    monkeypatch.setattr(CountingEngine, "prompts", [])
+    monkeypatch.setattr(regen_module, "Engine", CountingEngine)
+
+    own = regenerate(bf16, conversations, tmp_path / "bf16", **settings)  # decoded in bfloat16
+    manifest = json.loads((tmp_path / "bf16" / "manifest.json").read_text())
+    assert manifest["settings"]["dtype"] == "bfloat16" and len(CountingEngine.prompts) == len(RECORDS)
+    assert [r["input_ids"][: r["prompt_len"]] for r in own] == [r["input_ids"][: r["prompt_len"]] for r in reference]
+    with pytest.raises(InvalidInputError, match="other settings"):  # never mixed with float32 answers in one run
+        regenerate(target, conversations, tmp_path / "bf16", **settings)
+
+    regenerate(target, conversations.select([0]), tmp_path / "f32", **settings)
+    assert "dtype" not in json.loads((tmp_path / "f32" / "manifest.json").read_text())["settings"]
+    CountingEngine.prompts.clear()  # float32 answers stand in for a bfloat16 run's...
+    taken = regenerate(bf16, conversations, tmp_path / "bf16-reusing", reuse=[tmp_path / "f32"], **settings)
+    assert len(CountingEngine.prompts) == len(RECORDS) - 1 and taken[0] == reference[0]
+    CountingEngine.prompts.clear()  # ...never the reverse
+    again = regenerate(target, conversations, tmp_path / "f32-more", reuse=[tmp_path / "bf16", tmp_path / "f32"],
+                       **settings)
+    assert len(CountingEngine.prompts) == len(RECORDS) - 1 and again.to_list() == reference

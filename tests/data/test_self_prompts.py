@@ -1,6 +1,7 @@
 """Prompts the target writes itself (Magpie-style): the opened user turn, the target's own words in it,
 and the filter that keeps finished, distinct requests."""
 
+import contextlib
 import copy
 
 import datasets
@@ -75,6 +76,24 @@ def test_write_prompts_keeps_finished_distinct_requests_and_reuses_its_cache(tar
     assert write_prompts(target, 12, tmp_path / "p", seed=3, progress=False)["messages"] == prompts["messages"]
     with pytest.raises(InvalidInputError, match="other settings"):  # another seed never mixes into it
         write_prompts(target, 12, tmp_path / "p", seed=4, progress=False)
+
+
+def test_more_prompts_write_only_the_new_ones(target, tmp_path, monkeypatch):
+    """Request i is drawn from its own seed, so a larger N takes the requests a smaller one wrote."""
+    write_prompts(target, 6, tmp_path / "six", seed=3, batch_size=4, progress=False)
+    fresh = write_prompts(target, 10, tmp_path / "fresh", seed=3, batch_size=3, progress=False)
+    drawn = []
+    real_add = regen_module.Engine.add
+    monkeypatch.setattr(regen_module.Engine, "add", lambda self, request: (drawn.append(request), real_add(self, request))[1])
+    grown = write_prompts(target, 10, tmp_path / "ten", seed=3, batch_size=4, progress=False,
+                          reuse=[tmp_path / "six", tmp_path / "fresh-elsewhere"])
+    assert len(drawn) == 4  # requests 6..9 only
+    assert load_regenerated(tmp_path / "ten").to_list() == load_regenerated(tmp_path / "fresh").to_list()
+    assert grown.to_list() == fresh.to_list()
+    drawn.clear()
+    with contextlib.suppress(InvalidInputError):  # (the tiny target may finish none of them)
+        write_prompts(target, 6, tmp_path / "other-seed", seed=4, progress=False, reuse=[tmp_path / "ten"])
+    assert len(drawn) == 6  # another seed draws other requests
 
 
 @pytest.mark.parametrize("spec", ["self:", "self:0", "self:ten", "self:-3"])

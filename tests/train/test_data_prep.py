@@ -97,3 +97,21 @@ def test_adding_prompts_answers_only_the_new_ones(target, prompts, tmp_path, mon
     monkeypatch.undo()
     fresh = prepare_data(recipe(f"{prompts},{more}", tmp_path / "fresh"), target, is_main=True, progress=False)
     assert both.train.to_list() == fresh.train.to_list()  # the same rows as answering every prompt anew
+
+
+def test_regen_dtype_writes_prompts_and_answers_in_it_and_keeps_the_teacher_exact(target, prompts, tmp_path):
+    full = prepare_data(recipe(prompts, tmp_path, f"data.prompts=[{prompts},self:6]"), target, is_main=True,
+                        progress=False)
+    half = prepare_data(recipe(prompts, tmp_path, f"data.prompts=[{prompts},self:8]", "data.regen_dtype=bfloat16"),
+                        target, is_main=True, progress=False)
+    manifests = {p.parent.name: json.loads(p.read_text())["settings"] for p in tmp_path.glob("*/manifest.json")}
+    regens = sorted(s.get("dtype", "float32") for n, s in manifests.items() if n.startswith("regen-"))
+    writes = sorted(s.get("dtype", "float32") for n, s in manifests.items() if n.startswith("prompts-"))
+    assert regens == writes == ["bfloat16", "float32"]  # cached apart
+    assert half.source["regen_dtype"] == "bfloat16" and full.source["regen_dtype"] == "float32"
+    assert all(p.dtype == torch.float32 for p in target.model.parameters())  # the loaded target is untouched
+    for i in (0, len(half.train) - 1):  # the teacher is the float32 target's, on the bf16 target's text
+        ids = torch.tensor(half.train[i]["input_ids"])
+        with torch.no_grad():
+            logits = target.model(ids[None]).logits[0]
+        assert torch.equal(half.teacher[i]["topk_ids"][:, 0], logits.argmax(-1))
