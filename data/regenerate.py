@@ -375,7 +375,7 @@ def _finish(out_dir: Path, manifest: dict, num_shards: int, total: int, progress
     for shard in range(num_shards):
         rows += _read_shard(out_dir / "shards" / shard_name(shard), len(shard_range(shard, shard_size, total)))
     dataset = datasets.Dataset.from_list(rows, features=OUTPUT_FEATURES)
-    with _datasets_progress(progress):
+    with datasets_progress(progress):
         save_dataset_atomic(dataset, out_dir / "dataset")
     manifest["complete"] = True
     write_manifest(out_dir, manifest)
@@ -383,7 +383,7 @@ def _finish(out_dir: Path, manifest: dict, num_shards: int, total: int, progress
 
 
 def _load(out_dir: Path, progress: bool) -> datasets.Dataset:
-    with _datasets_progress(progress):
+    with datasets_progress(progress):
         return datasets.load_from_disk(str(out_dir / "dataset"))
 
 
@@ -410,7 +410,7 @@ def save_dataset_atomic(dataset: datasets.Dataset, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _datasets_progress(enabled: bool):
+def datasets_progress(enabled: bool):
     was_disabled = datasets.are_progress_bars_disabled()
     if not enabled:
         datasets.disable_progress_bars()

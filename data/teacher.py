@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import math
 import sys
+from collections.abc import Iterable, Sequence
 from hashlib import sha256
 from pathlib import Path
 
@@ -122,6 +123,7 @@ def teacher_signals(
     batch_size: int = 8,
     dtype: torch.dtype = torch.float16,
     progress: bool = True,
+    reuse: Iterable[tuple[Path, Sequence[Sequence[int]]]] = (),
 ) -> "TeacherCache":
     """The signals of `dataset` from a cache under `root` named `name-k*`, computed only when none has them.
 
@@ -129,7 +131,9 @@ def teacher_signals(
     order: a finished cache of the same target, tokenizer and token ids that holds at least these signals
     (>= top_k log-probs, hidden states if asked, the states of `layers` if asked, all in `dtype`; the
     smallest such) is read as it is, through a view of just these signals; a cache with exactly these
-    settings is resumed; else the signals are cached in `root / name-k<top_k>-<signals>-<dtype>`.
+    settings is resumed; else the signals are cached in `root / name-k<top_k>-<signals>-<dtype>`. `reuse`: (directory, the token ids of its examples in order) of other finished caches:
+    an example whose ids one of them holds, with at least these signals, is copied from it, not computed
+    again (adding prompts to a recipe computes only the new rows' signals).
     """
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, None, dtype)
     layers = _checked_layers(layers, target)
@@ -138,7 +142,7 @@ def teacher_signals(
     if finished:
         return TeacherCache(found, top_k=top_k, hidden=hidden, layers=layers)
     out_dir = found or Path(root) / f"{name}-k{top_k}-{_signals_tag(hidden, layers, dtype)}"
-    return _write_cache(target, dataset, out_dir, settings, batch_size, progress)
+    return _write_cache(target, dataset, out_dir, settings, batch_size, progress, reuse)
 
 
 def _settings(target: LoadedModel, dataset: datasets.Dataset, top_k: int, hidden: bool, layers: list[int],
@@ -187,7 +191,7 @@ def _token_width(hidden: bool, layers: list[int], hidden_size: int) -> int:
 
 
 def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, settings: dict, batch_size: int,
-                 progress: bool) -> "TeacherCache":
+                 progress: bool, reuse=()) -> "TeacherCache":
     top_k, hidden, shard_size = settings["top_k"], settings["hidden"], settings["shard_size"]
     layers, dtype = settings.get("layers", []), DTYPES[settings["dtype"]]
     num_shards = math.ceil(len(dataset) / shard_size)
@@ -206,18 +210,24 @@ def _write_cache(target: LoadedModel, dataset: datasets.Dataset, out_dir: Path, 
         print(f"teacher cache: resuming, {len(done)}/{num_shards} shards done in {out_dir}", file=sys.stderr)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     done_examples = sum(len(shard_range(s, shard_size, len(dataset))) for s in done)
+    donors = _donor_rows(reuse, settings, out_dir)
+    copied = [0]
     with tqdm(total=len(dataset), initial=done_examples, unit="ex", desc="teacher signals",
               disable=not progress, file=sys.stderr) as bar:
         for shard in range(num_shards):
             if shard in done:
                 continue
             rows = shard_range(shard, shard_size, len(dataset))
-            tensors = _shard_tensors(target.model, dataset, rows, top_k, hidden, layers, batch_size, dtype, pad_id, bar)
+            tensors = _shard_tensors(target.model, dataset, rows, top_k, hidden, layers, batch_size, dtype, pad_id, bar,
+                                     donors, copied)
             with atomic_file(out_dir / shard_file(shard)) as scratch:
                 save_file(tensors, str(scratch), metadata={"examples": f"{rows.start}:{rows.stop}"})
             done.add(shard)
             manifest["shards_done"] = sorted(done)
             write_manifest(out_dir, manifest)
+    if copied[0]:
+        print(f"teacher cache: {copied[0]} of {len(dataset) - done_examples} examples copied from other caches "
+              "(the same token ids, the same target)", file=sys.stderr)
     manifest["complete"] = True
     write_manifest(out_dir, manifest)
     return TeacherCache(out_dir)
@@ -270,13 +280,47 @@ def _find_cache(root: Path, name: str, settings: dict) -> tuple[Path | None, boo
         if have == settings:
             exact = path
         if manifest["complete"] and all(have.get(k) == settings[k] for k in same_data) and \
-                have.get("dtype") == settings["dtype"] and have.get("top_k", 0) >= settings["top_k"] and \
-                (have.get("hidden") or not settings["hidden"]) and \
-                set(settings.get("layers", [])) <= set(have.get("layers", [])) and not _damaged_shards(path, manifest):
+                _holds_signals(have, settings) and not _damaged_shards(path, manifest):
             covering.append((have["top_k"], bool(have["hidden"]), len(have.get("layers", [])), str(path)))
     if covering:
         return Path(min(covering)[-1]), True
     return exact, False
+
+
+def _holds_signals(have: dict, wanted: dict) -> bool:
+    """Whether a cache with settings `have` holds at least the signals `wanted` asks for, of the same target
+    in the same dtype: >= top_k log-probs, hidden states if asked, the states of every layer asked."""
+    return (all(have.get(k) == wanted[k] for k in ("target_weight_hash", "tokenizer_hash", "vocab_size",
+                                                   "hidden_size", "dtype"))
+            and have.get("top_k", 0) >= wanted["top_k"] and (have.get("hidden") or not wanted["hidden"])
+            and set(wanted.get("layers", [])) <= set(have.get("layers", [])))
+
+
+def _donor_rows(reuse, settings: dict, out_dir: Path) -> dict[bytes, tuple["TeacherCache", int]]:
+    """sequence key -> (a finished cache holding at least `settings`' signals, its example index), from the
+    `reuse` pairs (directory, its examples' token ids). Unreadable, unfinished or other caches, and a
+    pair whose ids do not match the cache's example count, give nothing; `out_dir` itself is skipped."""
+    rows: dict[bytes, tuple[TeacherCache, int]] = {}
+    for directory, sequences in reuse:
+        directory = Path(directory)
+        if not directory.is_dir() or directory.resolve() == Path(out_dir).resolve():
+            continue
+        try:
+            manifest = read_manifest(directory, KIND)
+            if not (manifest["complete"] and _holds_signals(manifest["settings"], settings)
+                    and manifest["settings"]["num_examples"] == len(sequences)):
+                continue
+            cache = TeacherCache(directory, top_k=settings["top_k"], hidden=settings["hidden"],
+                                 layers=settings.get("layers"))
+        except InvalidInputError:
+            continue
+        for i, ids in enumerate(sequences):
+            rows.setdefault(_sequence_key(ids), (cache, i))
+    return rows
+
+
+def _sequence_key(ids: Sequence[int]) -> bytes:
+    return sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
 
 
 def _damaged_shards(out_dir: Path, manifest: dict) -> dict[int, str]:
@@ -511,11 +555,13 @@ def _padded(reader, indices: list[int], name: str, length: int | None) -> torch.
 
 
 def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, layers: list[int], batch_size: int,
-                   dtype: torch.dtype, pad_id: int, bar) -> dict[str, torch.Tensor]:
+                   dtype: torch.dtype, pad_id: int, bar, donors: dict | None = None,
+                   copied: list[int] | None = None) -> dict[str, torch.Tensor]:
     """The shard's tensors, examples in dataset order; batched by length for less padding.
 
     The tensors are allocated once at their final size and filled batch by batch; the log-probs come from
-    the lm_head over POSITIONS positions at a time (`teacher_at_positions`)."""
+    the lm_head over POSITIONS positions at a time (`teacher_at_positions`). An example whose token ids
+    are in `donors` (`_donor_rows`) is copied from that cache instead; `copied` counts them."""
     sequences = dataset[rows.start: rows.stop]["input_ids"]
     offsets = torch.tensor([0] + [len(s) for s in sequences], dtype=torch.int64).cumsum(0)
     tokens = int(offsets[-1])
@@ -524,9 +570,28 @@ def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, layers
                "topk_ids": torch.empty(tokens, top_k, dtype=torch.int32), "offsets": offsets}
     if hidden:
         tensors["hidden"] = torch.empty(tokens, lm_head.weight.shape[1], dtype=dtype)
+    width = lm_head.weight.shape[1]
     if layers:
-        tensors["states"] = torch.empty(tokens, len(layers) * lm_head.weight.shape[1], dtype=dtype)
-    order = sorted(range(len(sequences)), key=lambda j: len(sequences[j]))
+        tensors["states"] = torch.empty(tokens, len(layers) * width, dtype=dtype)
+    todo, copied = [], [0] if copied is None else copied
+    for j, ids in enumerate(sequences):
+        donor = donors.get(_sequence_key(ids)) if donors else None
+        if donor is None:
+            todo.append(j)
+            continue
+        cache, i = donor
+        start, stop = int(offsets[j]), int(offsets[j + 1])
+        tensors["topk_logprobs"][start:stop] = cache.field(i, "topk_logprobs")
+        tensors["topk_ids"][start:stop] = cache.field(i, "topk_ids")
+        if hidden:
+            tensors["hidden"][start:stop] = cache.field(i, "hidden")
+        if layers:
+            states = cache.field(i, "states")
+            for n, layer in enumerate(layers):
+                tensors["states"][start:stop, n * width: (n + 1) * width] = states[:, cache.state_columns(layer)]
+        copied[0] += 1
+        bar.update(1)
+    order = sorted(todo, key=lambda j: len(sequences[j]))
     device = next(model.parameters()).device
     for begin in range(0, len(order), batch_size):
         chunk = order[begin: begin + batch_size]

@@ -13,13 +13,16 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
 from draftsmith.data.prompts import ColumnMap, load_conversations
-from draftsmith.data.regenerate import regenerate
+from draftsmith.data.regenerate import datasets_progress
+from draftsmith.data.regenerate import load_regenerated, regenerate
 from draftsmith.data.render import TOKEN_FEATURES, render_prompt, tokenize_dataset
 from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
 from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
@@ -243,13 +246,34 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         # Named by the data; any finished cache of it with at least these signals is reused (teacher_signals).
         kind = kinds.get(recipe.drafter.kind)
         layers = kind.teacher_layers(recipe, target)
+        # Rows other caches here hold (the same answers, under other prompt lists) are copied, not computed.
         caches = [teacher_signals(target, part, cache_root, f"teacher-{part_key}-{cfg.max_length}",
                                   top_k=recipe.teacher.top_k, hidden=kind.needs_teacher_hidden, layers=layers,
-                                  dtype=DTYPES[recipe.teacher.dtype], progress=progress and is_main)
+                                  dtype=DTYPES[recipe.teacher.dtype], progress=progress and is_main,
+                                  reuse=teacher_donors(cache_root))
                   for part_key, part in parts]
         teacher = caches[0] if len(caches) == 1 else ConcatTeacher(caches)
     prompts = [render_prompt(target.tokenizer, strip_answers(m)) for m in heldout["messages"]]
     return TrainingData(train=train, heldout_prompts=prompts, teacher=teacher, source=source)
+
+
+TEACHER_DIR = re.compile(r"teacher-([0-9a-f]{16})-(\d+)-k")
+
+
+def teacher_donors(cache_root: Path) -> Iterator[tuple[Path, list[list[int]]]]:
+    """(teacher cache directory, the token ids of its examples) for each teacher cache under `cache_root`
+    of regenerated answers (`teacher-<key>-<max_length>-...` beside a finished `regen-<key>`): its examples
+    are that regeneration's rows as `prepare_data` truncates them. Read lazily, only when a cache is written."""
+    for directory in sorted(cache_root.glob("teacher-*")):
+        match = TEACHER_DIR.match(directory.name)
+        regen_dir = cache_root / f"regen-{match.group(1)}" if match else None
+        if regen_dir is None or not (regen_dir / "dataset").is_dir():
+            continue
+        try:
+            rows = truncate(load_regenerated(regen_dir), int(match.group(2)), progress=False)
+        except InvalidInputError:
+            continue
+        yield directory, rows["input_ids"]
 
 
 def answered_by_reference(records: datasets.Dataset) -> datasets.Dataset:
@@ -269,12 +293,13 @@ def answered_by_reference(records: datasets.Dataset) -> datasets.Dataset:
     return records.map(answer, desc="answers from the reference column")
 
 
-def truncate(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:
+def truncate(dataset: datasets.Dataset, max_length: int, progress: bool = True) -> datasets.Dataset:
     def cut(row):
         return {"input_ids": row["input_ids"][:max_length], "loss_mask": row["loss_mask"][:max_length]}
 
-    cut_rows = dataset.map(cut, desc="truncating")
-    return cut_rows.filter(lambda row: sum(row["loss_mask"][1:]) > 0, desc="dropping empty rows")
+    with datasets_progress(progress):
+        cut_rows = dataset.map(cut, desc="truncating")
+        return cut_rows.filter(lambda row: sum(row["loss_mask"][1:]) > 0, desc="dropping empty rows")
 
 
 def strip_answers(messages: list[dict]) -> list[dict]:

@@ -115,3 +115,42 @@ def test_regen_dtype_writes_prompts_and_answers_in_it_and_keeps_the_teacher_exac
         with torch.no_grad():
             logits = target.model(ids[None]).logits[0]
         assert torch.equal(half.teacher[i]["topk_ids"][:, 0], logits.argmax(-1))
+
+
+def test_adding_prompts_computes_only_the_new_rows_teacher_signals(target, prompts, tmp_path, monkeypatch, capfd):
+    import draftsmith.data.teacher as teacher_module
+
+    more = tmp_path / "more.jsonl"
+    more.write_text("".join(json.dumps({"prompt": f"another question {i}"}) + "\n" for i in range(4)))
+    first = prepare_data(recipe(prompts, tmp_path / "cache"), target, is_main=True, progress=False)
+    computed = []
+    real_states = teacher_module.teacher_states
+    monkeypatch.setattr(teacher_module, "teacher_states",
+                        lambda model, ids, mask, layers: (computed.append(int(mask.sum(1).gt(0).sum())),
+                                                          real_states(model, ids, mask, layers))[1])
+    capfd.readouterr()
+    both = prepare_data(recipe(f"{prompts},{more}", tmp_path / "cache"), target, is_main=True, progress=False)
+    known = {tuple(ids) for ids in first.train["input_ids"]}
+    new = sum(tuple(ids) not in known for ids in both.train["input_ids"])
+    assert 0 < sum(computed) == new < len(both.train)  # the rows the first cache holds are copied
+    assert f"{len(both.train) - new} of {len(both.train)} examples copied" in capfd.readouterr().err
+    monkeypatch.undo()
+    fresh = prepare_data(recipe(f"{prompts},{more}", tmp_path / "fresh"), target, is_main=True, progress=False)
+    assert both.train.to_list() == fresh.train.to_list()
+    for i in range(len(both.train)):  # the same signals as computing every row
+        mine, theirs = both.teacher[i], fresh.teacher[i]
+        assert torch.equal(mine["topk_ids"], theirs["topk_ids"])
+        for name in ("topk_logprobs", "hidden"):
+            assert torch.allclose(mine[name], theirs[name], atol=2e-3), name
+
+
+def test_a_cache_with_fewer_signals_lends_nothing(target, prompts, tmp_path, monkeypatch):
+    import draftsmith.data.teacher as teacher_module
+
+    prepare_data(recipe(prompts, tmp_path, "teacher.top_k=2"), target, is_main=True, progress=False)
+    computed = []
+    real_states = teacher_module.teacher_states
+    monkeypatch.setattr(teacher_module, "teacher_states",
+                        lambda *args: (computed.append(1), real_states(*args))[1])
+    prepare_data(recipe(prompts, tmp_path, "teacher.top_k=3"), target, is_main=True, progress=False)
+    assert computed  # top-2 log-probs cannot stand in for top-3
