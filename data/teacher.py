@@ -131,10 +131,10 @@ def teacher_signals(
     order: a finished cache of the same target, tokenizer and token ids that holds at least these signals
     (>= top_k log-probs, hidden states if asked, the states of `layers` if asked, all in `dtype`; the
     smallest such) is read as it is, through a view of just these signals; a cache with exactly these
-    settings is resumed; else the signals are cached in `root / name-k<top_k>-<signals>-<dtype>`. `reuse`: (directory, the token ids of its examples in order) of other finished caches:
-    an example whose ids one of them holds, with at least these signals, is copied from it, not computed
-    again (adding prompts to a recipe computes only the new rows' signals).
-    """
+    settings is resumed; else the signals are cached in `root / name-k<top_k>-<signals>-<dtype>`.
+    `reuse`: (directory, the token ids of its examples in order) of other finished caches: an example
+    whose ids one of them holds, with at least these signals, is copied from it, not computed again
+    (adding prompts to a recipe computes only the new rows' signals)."""
     _check_args(dataset, top_k, target.model.get_output_embeddings().weight.shape[0], batch_size, None, dtype)
     layers = _checked_layers(layers, target)
     settings = _settings(target, dataset, top_k, hidden, layers, dtype, None)
@@ -268,8 +268,7 @@ def _find_cache(root: Path, name: str, settings: dict) -> tuple[Path | None, boo
     """The cache under `root` to use for `settings`: (the smallest finished, whole one that covers them,
     True), else (one with exactly these settings, to resume or repair, False), else (None, False).
     Directories that hold no readable teacher cache manifest are passed over."""
-    same_data = ("target_weight_hash", "tokenizer_hash", "vocab_size", "hidden_size", "num_examples",
-                 "num_tokens", "dataset_fingerprint")
+    same_data = ("num_examples", "num_tokens", "dataset_fingerprint")  # (the same target: `_holds_signals`)
     covering, exact = [], None
     for path in sorted(root.glob(f"{name}-k*")):
         try:
@@ -568,9 +567,9 @@ def _shard_tensors(model, dataset, rows: range, top_k: int, hidden: bool, layers
     lm_head = model.get_output_embeddings()
     tensors = {"topk_logprobs": torch.empty(tokens, top_k, dtype=dtype),
                "topk_ids": torch.empty(tokens, top_k, dtype=torch.int32), "offsets": offsets}
-    if hidden:
-        tensors["hidden"] = torch.empty(tokens, lm_head.weight.shape[1], dtype=dtype)
     width = lm_head.weight.shape[1]
+    if hidden:
+        tensors["hidden"] = torch.empty(tokens, width, dtype=dtype)
     if layers:
         tensors["states"] = torch.empty(tokens, len(layers) * width, dtype=dtype)
     todo, copied = [], [0] if copied is None else copied

@@ -14,15 +14,14 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 
 from draftsmith.data.prompts import ColumnMap, load_conversations
-from draftsmith.data.regenerate import datasets_progress
-from draftsmith.data.regenerate import load_regenerated, regenerate
+from draftsmith.data.regenerate import datasets_progress, load_regenerated, regenerate
 from draftsmith.data.render import TOKEN_FEATURES, render_prompt, tokenize_dataset
 from draftsmith.data.self_prompts import is_self_spec, self_prompt_count, write_prompts
 from draftsmith.data.sources import BUILTIN_DIR, builtin_path, hf_fingerprint, is_builtin, is_hf
@@ -130,11 +129,12 @@ def regen_target(target: LoadedModel, dtype: str) -> LoadedModel:
 
 
 def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: Path | None = None,
-                 progress: bool = True) -> datasets.Dataset:
+                 progress: bool = True, writer: Callable[[], LoadedModel] | None = None) -> datasets.Dataset:
     """Every data.prompts source as conversations, shuffled with the data seed. Files and datasets give
     at most data.limit records each (a seeded sample with data.shuffle); a streamed `hf:` source is read
     into shards under cache_root; a `self:N` source (N prompts the target writes, cached under
-    cache_root) gives at most N."""
+    cache_root) gives at most N. `writer`: the target in data.regen_dtype, made when first called
+    (default: `regen_target` of `target`)."""
     cfg = recipe.data
     seed = data_seed(recipe)
     shuffle_seed = seed if cfg.shuffle else None
@@ -164,8 +164,7 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
                              batch_size=cfg.regen_batch_size, progress=progress,
                              reuse=sorted(Path(cache_root).glob("prompts-*")))
 
-    writer = functools.cache(lambda: regen_target(target, cfg.regen_dtype))
-
+    writer = writer or functools.cache(lambda: regen_target(target, cfg.regen_dtype))
     parts = [load(entry) for entry in entries]
     if not parts:
         raise InvalidInputError("data.prompts lists no files")
@@ -201,7 +200,9 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     cache_root = Path(cfg.cache_dir or Path(recipe.output_dir) / "data")
     entries = source_entries(recipe)
     files = {entry.source: source_fingerprint(entry.source) for entry in entries}
-    records = load_records(recipe, target, cache_root, progress=progress and is_main)
+    # The target in data.regen_dtype, cast once (when first needed) for the prompts it writes and its answers.
+    writer = functools.cache(lambda: regen_target(target, cfg.regen_dtype))
+    records = load_records(recipe, target, cache_root, progress=progress and is_main, writer=writer)
     train_records, heldout = split_heldout(records, cfg.heldout)
     flags = [regenerates(recipe, entry) for entry in entries]
     source = {"prompts": recipe.model_dump()["data"]["prompts"], "records": len(train_records),
@@ -220,18 +221,17 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
         passes = [(key, cfg.temperature, recipe.train.seed)]
         passes += [(cache_key(main=key, extra_sample=i, temperature=cfg.sample_temperature), cfg.sample_temperature,
                     recipe.train.seed + 1 + i) for i in range(cfg.extra_samples)]
-        writer = regen_target(target, cfg.regen_dtype)
         for part_key, temperature, seed in passes:
             # Greedy answers the cache already holds for the same prompts (other prompt lists of this
             # target) are taken, not decoded again: adding prompts to a recipe answers only the new ones.
-            regenerated = regenerate(writer, answered, cache_root / f"regen-{part_key}",
+            regenerated = regenerate(writer(), answered, cache_root / f"regen-{part_key}",
                                      max_new_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed,
                                      batch_size=cfg.regen_batch_size, progress=progress and is_main,
                                      reuse=sorted(cache_root.glob("regen-*")))
             parts.append((part_key, truncate(regenerated, cfg.max_length)))
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
         source["regen_dtype"] = cfg.regen_dtype
-        del writer
+    writer.cache_clear()  # (the cast copy is not needed past here)
     if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only
         fixed_key = key if answered is None else cache_key(main=key, fixed_sources=True)
         parts.append((fixed_key, tokenize_dataset(answered_by_reference(fixed), target.tokenizer, cfg.max_length)))
