@@ -151,11 +151,13 @@ class DataConfig(Section):
     """Temperature of the extra sampled answers."""
     regen_batch_size: int = Field(8, ge=1)
     """Prompts per regeneration batch."""
-    regen_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    regen_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """The dtype the target writes `self:N` prompts and answers in. bfloat16 about doubles the throughput
-    of a CPU with bf16 arithmetic (AVX512-BF16, AMX) at regeneration's batch sizes, and of a GPU; the
-    answers are then the bf16 target's, cached apart from float32 ones (float32 answers already cached
-    for the same prompts are taken). The teacher signals and the evaluation keep the target as loaded."""
+    of a CPU with bf16 arithmetic (AVX512-BF16, AMX) at regeneration's batch sizes, and of a GPU, but is
+    slower than float32 where the CPU emulates it; `auto` takes bfloat16 where the target's device does
+    bf16 arithmetic, else float32. bf16 answers are the bf16 target's, cached apart from float32 ones
+    (float32 answers already cached for the same prompts are taken). The teacher signals and the
+    evaluation keep the target as loaded."""
     max_length: int = Field(512, ge=8)
     """Training sequences are truncated to this many tokens."""
     cache_dir: str | None = None

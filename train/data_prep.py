@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 
 from draftsmith.data.prompts import ColumnMap, load_conversations
 from draftsmith.data.regenerate import datasets_progress, load_regenerated, regenerate
@@ -29,6 +30,7 @@ from draftsmith.data.stream import stream_conversations
 from draftsmith.data.teacher import ConcatTeacher, TeacherCache, teacher_signals
 from draftsmith.speculative import kinds
 from draftsmith.speculative.kinds import draft_vocabulary  # noqa: F401  (used by tests)
+from draftsmith.speculative.calibrate import native_bf16
 from draftsmith.speculative.dtypes import DTYPES
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.loading import LoadedModel
@@ -95,14 +97,14 @@ def data_seed(recipe: Recipe) -> int:
     return recipe.data.seed if recipe.data.seed is not None else recipe.train.seed
 
 
-def data_options(recipe: Recipe) -> dict:
+def data_options(recipe: Recipe, regen_dtype: str = "float32") -> dict:
     """The data settings added after cache keys were first written, in the key only when they are set,
-    so that the caches written before them stay valid."""
+    so that the caches written before them stay valid. `regen_dtype`: data.regen_dtype as resolved."""
     cfg = recipe.data
     options = {"columns": cfg.columns.model_dump(exclude_none=True) or None, "data_seed": cfg.seed,
                "shuffle": cfg.shuffle or None, "streaming": cfg.streaming or None,
                "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None,
-               "regen_dtype": cfg.regen_dtype if cfg.regen_dtype != "float32" else None,
+               "regen_dtype": regen_dtype if regen_dtype != "float32" else None,
                "sources": [entry.model_dump(exclude_none=True) for entry in source_entries(recipe)]
                if any(isinstance(p, PromptSource) for p in cfg.prompts) else None}
     return {k: v for k, v in options.items() if v is not None}
@@ -117,13 +119,28 @@ def split_fixed(recipe: Recipe, records: datasets.Dataset) -> tuple[datasets.Dat
     return (answered if len(answered) else None), (fixed if len(fixed) else None)
 
 
+def resolve_regen_dtype(setting: str, target: LoadedModel) -> str:
+    """data.regen_dtype as the target writes in: `auto` is bfloat16 where the target's device does bf16
+    arithmetic in hardware, else float32."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if native_bf16(next(target.model.parameters()).device) else "float32"
+
+
 def regen_target(target: LoadedModel, dtype: str) -> LoadedModel:
     """`target` in `dtype` for writing prompts and answers (data.regen_dtype): itself when it already is,
-    else a copy cast to it (the loaded target stays as it is for the teacher and the evaluation)."""
+    else a copy whose weights are cast as they are copied (no second full-precision copy at any time;
+    the loaded target stays as it is for the teacher and the evaluation)."""
     wanted = DTYPES[dtype]
-    if all(p.dtype == wanted for p in target.model.parameters() if p.is_floating_point()):
+    model = target.model
+    if all(p.dtype == wanted for p in model.parameters() if p.is_floating_point()):
         return target
-    cast = dataclasses.replace(target, model=copy.deepcopy(target.model).to(wanted))
+    # deepcopy takes each tensor it meets from the memo: the floating weights and buffers (tied ones
+    # once), made straight in the wanted dtype, so only the module tree itself is copied.
+    memo = {id(p): torch.nn.Parameter(p.detach().to(wanted, copy=True), requires_grad=p.requires_grad)
+            for p in model.parameters() if p.is_floating_point()}
+    memo.update({id(b): b.to(wanted, copy=True) for b in model.buffers() if b.is_floating_point()})
+    cast = dataclasses.replace(target, model=copy.deepcopy(model, memo))
     cast._weight_hash = target.weight_hash()  # the same checkpoint (its hash does not depend on the dtype)
     return cast
 
@@ -138,6 +155,7 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
     cfg = recipe.data
     seed = data_seed(recipe)
     shuffle_seed = seed if cfg.shuffle else None
+    regen_dtype = resolve_regen_dtype(cfg.regen_dtype, target) if target is not None else cfg.regen_dtype
     entries = source_entries(recipe)
     mixed = len({regenerates(recipe, entry) for entry in entries}) > 1
 
@@ -158,13 +176,13 @@ def load_records(recipe: Recipe, target: LoadedModel | None = None, cache_root: 
             return load_conversations(spec, columns, limit=limit, shuffle_seed=shuffle_seed)
         count = self_prompt_count(spec)
         key = cache_key(target=target.weight_hash(), self_prompts=count, seed=recipe.train.seed,
-                        **({"dtype": cfg.regen_dtype} if cfg.regen_dtype != "float32" else {}))
+                        **({"dtype": regen_dtype} if regen_dtype != "float32" else {}))
         # Prompts written before (a smaller N, the same seed) are taken, not sampled again.
         return write_prompts(writer(), count, Path(cache_root) / f"prompts-{key}", seed=recipe.train.seed,
                              batch_size=cfg.regen_batch_size, progress=progress,
                              reuse=sorted(Path(cache_root).glob("prompts-*")))
 
-    writer = writer or functools.cache(lambda: regen_target(target, cfg.regen_dtype))
+    writer = writer or functools.cache(lambda: regen_target(target, regen_dtype))
     parts = [load(entry) for entry in entries]
     if not parts:
         raise InvalidInputError("data.prompts lists no files")
@@ -201,7 +219,8 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
     entries = source_entries(recipe)
     files = {entry.source: source_fingerprint(entry.source) for entry in entries}
     # The target in data.regen_dtype, cast once (when first needed) for the prompts it writes and its answers.
-    writer = functools.cache(lambda: regen_target(target, cfg.regen_dtype))
+    regen_dtype = resolve_regen_dtype(cfg.regen_dtype, target)
+    writer = functools.cache(lambda: regen_target(target, regen_dtype))
     records = load_records(recipe, target, cache_root, progress=progress and is_main, writer=writer)
     train_records, heldout = split_heldout(records, cfg.heldout)
     flags = [regenerates(recipe, entry) for entry in entries]
@@ -210,7 +229,8 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
               "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature}
     key = cache_key(target=target.weight_hash(), files=files, limit=cfg.limit, column=cfg.prompt_column,
                     heldout=cfg.heldout, seed=recipe.train.seed, regenerate=cfg.regenerate,
-                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, **data_options(recipe))
+                    max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                    **data_options(recipe, regen_dtype))
     answered, fixed = split_fixed(recipe, train_records)
     if cfg.extra_samples and answered is None:
         raise InvalidInputError("data.extra_samples needs data.regenerate: true (they are the target's answers)")
@@ -230,7 +250,7 @@ def prepare_data(recipe: Recipe, target: LoadedModel, *, is_main: bool, progress
                                      reuse=sorted(cache_root.glob("regen-*")))
             parts.append((part_key, truncate(regenerated, cfg.max_length)))
         source["extra_samples"], source["sample_temperature"] = cfg.extra_samples, cfg.sample_temperature
-        source["regen_dtype"] = cfg.regen_dtype
+        source["regen_dtype"] = regen_dtype
     writer.cache_clear()  # (the cast copy is not needed past here)
     if fixed is not None:  # conversations as they are: rendered, loss on their assistant turns only
         fixed_key = key if answered is None else cache_key(main=key, fixed_sources=True)

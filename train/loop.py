@@ -41,7 +41,7 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
 from draftsmith.speculative import kinds
-from draftsmith.speculative.calibrate import cpuinfo_field
+from draftsmith.speculative.calibrate import cpu_has_native_bf16
 from draftsmith.speculative.checkpoint import DrafterInfo, save_drafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.fileio import atomic_file, atomic_write_json
@@ -414,17 +414,6 @@ def resolve_precision(setting: str) -> str:
     if setting != "auto":
         return setting
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
-
-# CPU feature flags (Linux /proc/cpuinfo) for bf16 arithmetic in hardware: x86's AVX512-BF16 and AMX-BF16,
-# Arm's BF16 extension. Elsewhere bf16 products are emulated, slower than float32.
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
-
-@functools.cache
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    flags = cpuinfo_field("flags", "features", path=cpuinfo)  # x86 says flags, Arm features; not Linux: no
-    return flags is not None and not NATIVE_BF16_FLAGS.isdisjoint(flags.split())
 
 
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:

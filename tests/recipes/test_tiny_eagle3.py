@@ -97,7 +97,7 @@ def test_shipped_recipes_validate():
     assert recipe.drafter.kind == "eagle3" and recipe.drafter.target_layers is None  # [2, 15, 27] of 30
     # Prompts that ship with draftsmith, and requests the target writes itself: nothing outside the package.
     assert all(p.startswith(("builtin:", "self:")) for p in recipe.data.prompts)
-    assert any(p.startswith("self:") for p in recipe.data.prompts) and recipe.data.regen_dtype == "bfloat16"
+    assert any(p.startswith("self:") for p in recipe.data.prompts) and recipe.data.regen_dtype == "auto"
 
 
 @pytest.mark.slow

@@ -117,6 +117,49 @@ def test_regen_dtype_writes_prompts_and_answers_in_it_and_keeps_the_teacher_exac
         assert torch.equal(half.teacher[i]["topk_ids"][:, 0], logits.argmax(-1))
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_regen_dtype_auto_is_bf16_only_where_the_device_does_bf16_arithmetic(target, prompts, tmp_path, monkeypatch,
+                                                                             native):
+    import draftsmith.train.data_prep as data_prep
+
+    monkeypatch.setattr(data_prep, "native_bf16", lambda device: native)
+    data = prepare_data(recipe(prompts, tmp_path, "data.regen_dtype=auto"), target, is_main=True, progress=False)
+    wanted = "bfloat16" if native else "float32"
+    assert data.source["regen_dtype"] == wanted
+    settings = [json.loads(p.read_text())["settings"] for p in tmp_path.glob("regen-*/manifest.json")]
+    assert [s.get("dtype", "float32") for s in settings] == [wanted]
+    named = prepare_data(recipe(prompts, tmp_path, f"data.regen_dtype={wanted}"), target, is_main=True,
+                         progress=False)
+    assert len(list(tmp_path.glob("regen-*"))) == 1  # auto resolved is the same cache as the dtype named
+    assert named.train.to_list() == data.train.to_list()
+
+
+def test_regen_target_casts_each_weight_once_and_leaves_the_loaded_target_alone(target):
+    from draftsmith.train.data_prep import regen_target
+
+    cast = regen_target(target, "bfloat16")
+    assert regen_target(target, "float32") is target
+    loaded = dict(target.model.named_parameters(remove_duplicate=False))
+    for name, weight in cast.model.named_parameters(remove_duplicate=False):
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, loaded[name].to(torch.bfloat16))
+        assert weight.data_ptr() != loaded[name].data_ptr()
+    for (name, buffer), (_, before) in zip(cast.model.named_buffers(), target.model.named_buffers()):
+        assert buffer.dtype == (torch.bfloat16 if before.is_floating_point() else before.dtype), name
+    tied = [n for n, _ in target.model.named_parameters(remove_duplicate=False)]
+    assert len(list(cast.model.parameters())) == len(list(target.model.parameters())) <= len(tied)
+    assert all(p.dtype == torch.float32 for p in target.model.parameters())
+    assert cast.weight_hash() == target.weight_hash()
+    ids = torch.tensor([[1, 5, 9, 2]])
+    with torch.no_grad():
+        assert torch.equal(cast.model(ids).logits, copy_cast(target.model)(ids).logits)
+
+
+def copy_cast(model):
+    import copy
+
+    return copy.deepcopy(model).to(torch.bfloat16)
+
+
 def test_adding_prompts_computes_only_the_new_rows_teacher_signals(target, prompts, tmp_path, monkeypatch, capfd):
     import draftsmith.data.teacher as teacher_module
 
