@@ -48,7 +48,7 @@ def eval_prompts(count: int, sources: str = PROMPT_SETS) -> list:
 
 def measure(target, spec, prompts, args, stops, alternatives=0):
     proposer = build_proposer(spec, target)
-    decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops)
+    decoder = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, measure_costs=False)  # fixed D
     outputs, rounds, tokens, hist, leaves = [], 0, 0, None, 0
     start = time.perf_counter()
     with torch.inference_mode():

@@ -78,7 +78,8 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     if proposer is None:
         raise InvalidInputError("eval needs a drafter (--drafter DIR, early-exit:N or ngram)")
     stops = stop_token_ids(target.model, target.tokenizer)
-    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier)
+    # (fixed draft lengths only: the adaptive draft length's costs are not measured)
+    spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier, measure_costs=False)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     if plain_passes is not None:
         plain_passes.bind(target, encoded, settings)

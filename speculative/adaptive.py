@@ -306,7 +306,9 @@ def adaptive_lengths(options, decoder) -> AdaptiveDraftLength | None:
     proposer, target = decoder.proposer, decoder.target
     device = cost_key(decoder.device, next(target.parameters()).dtype)
     draft = kinds.of(proposer).draft_cost(proposer, target)
-    if options.verify_cost is None and decoder.pass_costs is not None:  # measured when the decoder was built
+    if options.verify_cost is None:
+        decoder.measure_costs()  # (done when the decoder was built, unless it was built without)
+    if options.verify_cost is None and decoder.pass_costs is not None:
         measured = decoder.draft_costs  # the drafter's steps and round overhead, measured with the passes
         if measured is not None:
             draft = measured["per_token"]

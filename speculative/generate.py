@@ -156,6 +156,7 @@ class SpeculativeDecoder:
         small_gemm: bool | str | None = None,
         grouped_attention: bool = True,
         debug: bool | None = None,
+        measure_costs: bool = True,
     ):
         """`verifier`: a callable with verify_native's signature (given explicit noise from the
         per-request generators), or a mode for `kernels.select_verifier`: "auto" (the fused Triton
@@ -169,7 +170,11 @@ class SpeculativeDecoder:
         `grouped_attention`: masked passes on the CPU attend over grouped key/value heads without copying
         them (attention.py); False keeps Transformers' own sdpa (for comparison).
         `debug`: run the per-round checks in every round, not only the first of a call (None: the
-        DRAFTSMITH_DEBUG environment variable)."""
+        DRAFTSMITH_DEBUG environment variable).
+        `measure_costs`: what this machine's passes and the drafter's rounds cost, which the adaptive draft
+        length prices rounds with, is measured (on a new machine: minutes) or read now, not inside a
+        timed request. False for decoders that decode at fixed draft lengths only (evaluations, training's
+        held-out AL): an adaptive request then measures them first (`measure_costs()`)."""
         self.target = target
         self.proposer = proposer
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
@@ -183,20 +188,32 @@ class SpeculativeDecoder:
         # which fast paths the passes take (small_gemm.signature of the plan, and grouped attention or not):
         # the measured costs below are keyed by it
         self.path_signature = "off"
-        # What this machine's passes cost is measured (on a new machine) or read here, once, not in a timed
-        # request: the linear path's choices, and with a drafter the adaptive draft length's pass costs
-        # (None where calibration is off), which every run of this decoder then reads.
+        # The adaptive draft length's pass costs and the drafter's round costs (None where calibration is
+        # off or there is no drafter), measured once per decoder (remembered per machine), read by every run.
         self.pass_costs: dict[int, list[float]] | None = None
         self.draft_costs: dict | None = None
-        with self.fast_paths():  # plans the paths (measuring the linear routes on a new machine)
-            if proposer is not None:
-                self.pass_costs = calibrate.batch_pass_costs(target, self.path_signature)
-        self.debug = False  # the drafter's rounds below are timed without the per-round checks
-        if proposer is not None and self.pass_costs is not None:
-            # What the drafter adds to a round, from rounds timed at fixed draft lengths (these passes
-            # and the drafter's steps, as the runtime runs them).
-            self.draft_costs = calibrate.draft_costs(self)
+        self._costs_measured = False
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
+        with self.fast_paths():  # plans the paths (measuring the linear routes on a new machine)
+            pass
+        if measure_costs:
+            self.measure_costs()
+
+    def measure_costs(self) -> None:
+        """Measure (on a new machine) or read the costs the adaptive draft length prices rounds with:
+        the target's passes, then the drafter's rounds timed at fixed draft lengths (these passes and the
+        drafter's steps, as the runtime runs them). Once per decoder."""
+        if self._costs_measured or self.proposer is None:
+            return
+        self._costs_measured = True
+        with self.fast_paths():
+            self.pass_costs = calibrate.batch_pass_costs(self.target, self.path_signature)
+        if self.pass_costs is not None:
+            debug, self.debug = self.debug, False  # the rounds are timed without the per-round checks
+            try:
+                self.draft_costs = calibrate.draft_costs(self)
+            finally:
+                self.debug = debug
 
     def fast_paths(self) -> contextlib.AbstractContextManager:
         """The context the runtime's forward passes run in: the few-row linear path (small_gemm.py) and

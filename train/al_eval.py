@@ -22,7 +22,8 @@ def acceptance_length(drafter: torch.nn.Module, kind: str, target: LoadedModel, 
     drafter.eval()
     try:
         decoder = SpeculativeDecoder(target.model, kinds.get(kind).proposer(drafter),
-                                     stop_token_ids=stop_token_ids(target.model, target.tokenizer))
+                                     stop_token_ids=stop_token_ids(target.model, target.tokenizer),
+                                     measure_costs=False)  # a fixed draft length: no adaptive costs needed
         options = DecodeOptions(max_new_tokens=max_new_tokens, draft_len=draft_len)
         rounds = tokens = 0
         offered, accepted = [0] * draft_len, [0] * draft_len

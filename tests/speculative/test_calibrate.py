@@ -121,3 +121,26 @@ def test_draft_costs_are_measured_per_drafter_and_remembered(target, machine_cac
     assert SpeculativeDecoder(target, NGramProposer()).draft_costs is None  # nothing of its own to time
     monkeypatch.setenv("DRAFTSMITH_CALIBRATE", "0")
     assert SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1))).draft_costs is None
+
+
+def test_a_decoder_built_for_fixed_draft_lengths_measures_only_when_an_adaptive_request_comes(target, machine_cache,
+                                                                                             monkeypatch):
+    from draftsmith.speculative.draft_lm import DraftModelProposer
+    from draftsmith.speculative.generate import SpeculativeDecoder
+    from draftsmith.speculative.options import DecodeOptions
+    from draftsmith.speculative.tiny import tiny_model
+
+    timed = []
+    real_pass_costs, real_draft_costs = calibrate.batch_pass_costs, calibrate.draft_costs
+    monkeypatch.setattr(calibrate, "batch_pass_costs", lambda *a: (timed.append("passes"), real_pass_costs(*a))[1])
+    monkeypatch.setattr(calibrate, "draft_costs", lambda d: (timed.append("rounds"), real_draft_costs(d))[1])
+    decoder = SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1)), measure_costs=False)
+    fixed = decoder.generate([[1, 2, 3]], options=DecodeOptions(max_new_tokens=6, draft_len=2))
+    assert not timed and decoder.pass_costs is None and decoder.draft_costs is None
+    adaptive = decoder.generate([[1, 2, 3]], options=DecodeOptions(max_new_tokens=6, draft_len=2, adaptive=True))
+    assert timed == ["passes", "rounds"] and decoder.draft_costs is not None
+    assert adaptive.tokens == fixed.tokens  # (exact either way)
+    decoder.generate([[1, 2, 3]], options=DecodeOptions(max_new_tokens=6, draft_len=2, adaptive=True))
+    assert timed == ["passes", "rounds"]  # once per decoder
+    built = SpeculativeDecoder(target, DraftModelProposer(tiny_model(1, num_layers=1)))
+    assert timed[2:] == ["passes", "rounds"] and built.draft_costs == decoder.draft_costs  # measured when built
