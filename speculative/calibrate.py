@@ -267,7 +267,7 @@ def cpuinfo_field(*keys: str, path: str = "/proc/cpuinfo") -> str | None:
 
 # CPU feature flags (Linux /proc/cpuinfo) for bf16 arithmetic in hardware: x86's AVX512-BF16 and AMX-BF16,
 # Arm's BF16 extension. Elsewhere bf16 products are emulated, slower than float32 (on an Intel Xeon with
-# AVX-512 but neither: regeneration at batch 32 86 against float32's 137 tok/s, docs/results.md).
+# AVX-512 but neither, regeneration ran at 0.57-0.69x float32's rate; docs/results.md).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
