@@ -231,10 +231,11 @@ class TrainConfig(Section):
     warmup_steps: int = Field(10, ge=0)
     """Linear warmup, then cosine decay to zero at `steps`."""
     max_grad_norm: float = Field(1.0, gt=0.0)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    mixed_precision: Literal["auto", "bf16-if-native", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on a GPU that supports it, else full precision. bf16 on a CPU pays where the CPU has
-    bf16 arithmetic (AVX512-BF16, AMX, Arm BF16; elsewhere a warning). The drafter's weights and optimizer stay
-    float32 either way."""
+    bf16 arithmetic (AVX512-BF16, AMX, Arm BF16; elsewhere a warning: emulated, it trained at 0.34x float32's
+    rate); bf16-if-native: bf16 on such a CPU or GPU, full precision elsewhere. The drafter's weights and
+    optimizer stay float32 either way."""
     seed: int = 0
     eval_every: int = Field(50, ge=0)
     """Steps between acceptance-length evaluations on the held-out prompts (0 = only before and after)."""

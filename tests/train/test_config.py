@@ -78,6 +78,7 @@ def test_bf16_on_a_cpu_is_asked_for_and_warned_about_where_it_is_emulated(tmp_pa
     monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: native)
     assert loop.resolve_precision("auto") == "no"  # a CPU: autocast only where a recipe asks for it
     assert loop.resolve_precision("bf16") == "bf16" and loop.resolve_precision("no") == "no"
+    assert loop.resolve_precision("bf16-if-native") == ("bf16" if native else "no")
     # (no Accelerator here: accelerate keeps one global state per process, and later tests ask for "no")
     loop.warn_if_bf16_is_emulated("bf16")
     warned = capsys.readouterr().err
