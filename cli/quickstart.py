@@ -50,7 +50,8 @@ PLANS = {
     # name: (target spec, recipe overrides, early-exit layers, eval prompts, eval tokens)
     # The full plan is sized to finish in under 12 minutes on 2 CPU cores (docs/commands.md, "quickstart"):
     # 300 steps at lr 2e-3 (held-out AL at D=3 over 20 prompts 1.583; 150 steps at 1e-3: 1.472; 450 steps: 1.590,
-    # the answers' few tokens are the limit; docs/results.md, "the quickstart on a Xeon without AMX").
+    # the answers' few tokens are the limit; docs/results.md, "the quickstart's drafter: steps, learning rate, kind,
+    # answer length").
     "full": ("smollm2-135m-instruct",
              ["data.limit=null", "data.heldout=20", "data.max_new_tokens=64", "data.max_length=256",
               "data.regen_batch_size=32", "drafter.draft_vocab=4096", "train.steps=300", "train.lr=2e-3",

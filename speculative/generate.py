@@ -194,8 +194,7 @@ class SpeculativeDecoder:
         self.draft_costs: dict | None = None
         self._costs_measured = False
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
-        with self.fast_paths():  # plans the paths (measuring the linear routes on a new machine)
-            pass
+        self.fast_paths()  # plans the paths (measuring the linear routes on a new machine)
         if measure_costs:
             self.measure_costs()
 

@@ -97,10 +97,12 @@ def data_seed(recipe: Recipe) -> int:
     return recipe.data.seed if recipe.data.seed is not None else recipe.train.seed
 
 
-def data_options(recipe: Recipe, regen_dtype: str = "float32") -> dict:
+def data_options(recipe: Recipe, regen_dtype: str | None = None) -> dict:
     """The data settings added after cache keys were first written, in the key only when they are set,
-    so that the caches written before them stay valid. `regen_dtype`: data.regen_dtype as resolved."""
+    so that the caches written before them stay valid. `regen_dtype`: data.regen_dtype as resolved for the
+    target (`resolve_regen_dtype`); default the recipe's own."""
     cfg = recipe.data
+    regen_dtype = regen_dtype or cfg.regen_dtype
     options = {"columns": cfg.columns.model_dump(exclude_none=True) or None, "data_seed": cfg.seed,
                "shuffle": cfg.shuffle or None, "streaming": cfg.streaming or None,
                "stream_buffer": cfg.stream_buffer if cfg.streaming and cfg.shuffle else None,

@@ -41,7 +41,7 @@ from transformers import get_cosine_schedule_with_warmup
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
 from draftsmith.speculative import kinds
-from draftsmith.speculative.calibrate import cpu_has_native_bf16
+from draftsmith.speculative.calibrate import cpu_has_native_bf16, native_bf16
 from draftsmith.speculative.checkpoint import DrafterInfo, save_drafter
 from draftsmith.speculative.errors import InvalidInputError
 from draftsmith.speculative.fileio import atomic_file, atomic_write_json
@@ -413,12 +413,12 @@ def resolve_precision(setting: str) -> str:
     docs/results.md "`train.mixed_precision: auto` stays float32 on a CPU"). bf16-if-native: bf16 where the device
     does bf16 arithmetic (auto's GPU, or a CPU with AVX512-BF16, AMX or Arm BF16), else no: emulated bf16
     autocast trained an EAGLE-3 drafter at 0.34x float32's rate on a Xeon with AVX-512 alone."""
-    gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if setting == "auto":
-        return "bf16" if gpu_bf16 else "no"
-    if setting == "bf16-if-native":
-        return "bf16" if gpu_bf16 or (not torch.cuda.is_available() and cpu_has_native_bf16()) else "no"
-    return setting
+    if setting not in ("auto", "bf16-if-native"):
+        return setting
+    gpu = torch.cuda.is_available()
+    if setting == "auto" and not gpu:
+        return "no"
+    return "bf16" if native_bf16("cuda" if gpu else "cpu") else "no"
 
 
 def make_accelerator(recipe: Recipe, out: Path) -> Accelerator:

@@ -69,6 +69,7 @@ def test_missing_and_malformed_recipe_files(tmp_path):
 ])
 def test_bf16_on_a_cpu_is_asked_for_and_warned_about_where_it_is_emulated(tmp_path, monkeypatch, capsys,
                                                                          flags, native):
+    from draftsmith.speculative import calibrate
     from draftsmith.train import loop
 
     cpuinfo = tmp_path / "cpuinfo"
@@ -76,6 +77,7 @@ def test_bf16_on_a_cpu_is_asked_for_and_warned_about_where_it_is_emulated(tmp_pa
     assert loop.cpu_has_native_bf16(str(cpuinfo)) is native
     monkeypatch.setattr(loop.torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(loop, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(calibrate, "cpu_has_native_bf16", lambda: native)  # (read by native_bf16)
     assert loop.resolve_precision("auto") == "no"  # a CPU: autocast only where a recipe asks for it
     assert loop.resolve_precision("bf16") == "bf16" and loop.resolve_precision("no") == "no"
     assert loop.resolve_precision("bf16-if-native") == ("bf16" if native else "no")
