@@ -229,7 +229,13 @@ class TrainConfig(Section):
     lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(10, ge=0)
-    """Linear warmup, then cosine decay to zero at `steps`."""
+    """Linear warmup, then cosine decay to zero at `steps` (or at the steps the time budget allows)."""
+    time_budget_min: float | None = Field(None, gt=0.0)
+    """Wall-clock minutes for training: its steps, its held-out evaluations (before, during and after) and
+    checkpoints, not loading the target or preparing the data. Once the first steps are timed
+    (train/loop.py, BUDGET_PROBE_STEPS) the run takes min(`steps`, what fits) and the cosine schedule ends
+    there: a recipe keeps its time on a slower machine (fewer steps) and its step count on a faster one.
+    The step count chosen is kept in checkpoints and the summary (`planned_steps`)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     mixed_precision: Literal["auto", "bf16-if-native", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on a GPU that supports it, else full precision. bf16 on a CPU pays where the CPU has

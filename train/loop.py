@@ -21,6 +21,7 @@ with the weights of an uninterrupted run.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import resource
 import shutil
@@ -34,9 +35,8 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from draftsmith.data.collate import pad_batch
 from draftsmith.data.teacher import sparse_teacher_probs
@@ -68,6 +68,9 @@ class TrainerState:
     evals: list = field(default_factory=list)  # [{"step", "acceptance_length", ...}]
     best: dict | None = None  # keep_best: the best periodic evaluation so far (its weights: BEST_WEIGHTS)
     last_loss: float | None = None
+    planned_steps: int | None = None  # train.time_budget_min: the steps that fit it, once timed
+    loop_seconds: float = 0.0  # wall time of the training loop so far: steps, evaluations, checkpoints
+    eval_seconds: float | None = None  # one held-out evaluation (the one before training)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -104,21 +107,28 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
     if not trainable:
         raise InvalidInputError("the recipe leaves no drafter parameter trainable")
     optimizer = torch.optim.AdamW(trainable, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay)
-    # Stepped by hand once per optimizer step: accelerate's wrapper would step it once per process.
-    scheduler = get_cosine_schedule_with_warmup(optimizer, recipe.train.warmup_steps, recipe.train.steps)
     state = TrainerState()
+    # Stepped by hand once per optimizer step: accelerate's wrapper would step it once per process. Its end
+    # is read from the state at every step: a time budget moves it once the first steps are timed.
+    warmup = recipe.train.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: cosine_with_warmup(step, warmup, total_steps(recipe, state)))
     module, optimizer = accelerator.prepare(module, optimizer)
     accelerator.register_for_checkpointing(scheduler, state)
     resumed = resume(accelerator, out)
     start_trackers(accelerator, recipe, out, resumed)
 
     if state.step == 0 and is_main:
+        t0 = time.perf_counter()
         state.al_before = (dict(al_before, step=0) if al_before is not None
                            else evaluate(drafter, target, data, recipe, step=0, accelerator=accelerator))
-    bar = tqdm(total=recipe.train.steps, initial=state.step, desc=f"training {recipe.name}", file=sys.stderr,
+        state.eval_seconds = None if al_before is not None else time.perf_counter() - t0
+        state.loop_seconds += time.perf_counter() - t0
+    bar = tqdm(total=total_steps(recipe, state), initial=state.step, desc=f"training {recipe.name}", file=sys.stderr,
                disable=not (progress and is_main), dynamic_ncols=True)
-    while state.step < recipe.train.steps:
-        t0 = time.perf_counter()
+    probe_mark: tuple[int, float] | None = None  # (step, train seconds) after the first steps' one-off costs
+    while state.step < total_steps(recipe, state):
+        loop_start = t0 = time.perf_counter()
         metrics = train_step(module, drafter, optimizer, scheduler, accelerator, target, data, recipe, state.step)
         state.step += 1
         state.train_seconds += time.perf_counter() - t0
@@ -127,9 +137,9 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
         metrics["tokens_per_s"] = state.tokens_trained / max(state.train_seconds, 1e-9)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
-        if state.step % recipe.train.log_every == 0 or state.step == recipe.train.steps:
+        if state.step % recipe.train.log_every == 0 or state.step == total_steps(recipe, state):
             accelerator.log(metrics, step=state.step)
-        if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < recipe.train.steps:
+        if recipe.train.eval_every and state.step % recipe.train.eval_every == 0 and state.step < total_steps(recipe, state):
             if is_main:
                 evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
                 if recipe.train.keep_best:
@@ -137,13 +147,28 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
             accelerator.wait_for_everyone()
             if reached_goal(recipe, state, accelerator):
                 break
+        state.loop_seconds += time.perf_counter() - loop_start
+        if recipe.train.time_budget_min is not None and state.planned_steps is None:
+            if state.step == BUDGET_WARMUP_STEPS:
+                probe_mark = (state.step, state.train_seconds)
+            if state.step >= BUDGET_PROBE_STEPS:
+                state.planned_steps = steps_within_budget(recipe, state, probe_mark, accelerator)
+                bar.total = state.planned_steps
+                bar.refresh()
+                if is_main:
+                    print(f"time budget {recipe.train.time_budget_min:g} min: {state.planned_steps:,} of "
+                          f"{recipe.train.steps:,} steps fit", file=sys.stderr, flush=True)
         if recipe.train.checkpoint_every and state.step % recipe.train.checkpoint_every == 0:
+            saving = time.perf_counter()
             save_checkpoint(accelerator, out, state.step, recipe.train.keep_checkpoints)
+            state.loop_seconds += time.perf_counter() - saving
     bar.close()
 
     summary = None
     if is_main:
+        t0 = time.perf_counter()
         al_after = evaluate(drafter, target, data, recipe, step=state.step, accelerator=accelerator, state=state)
+        state.loop_seconds += time.perf_counter() - t0  # the summary's loop_seconds: what the time budget counts
         if recipe.train.keep_best:
             al_after = restore_if_better(drafter, state, al_after, out)
         summary = training_summary(recipe, state, al_after, data, resumed, accelerator.mixed_precision)
@@ -152,6 +177,42 @@ def train(recipe: Recipe, *, progress: bool = True, lineage: dict | None = None,
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+# --- the schedule and the time budget ---------------------------------------------------------------
+
+BUDGET_WARMUP_STEPS = 2  # steps left out of the time per step: the first ones pay one-off costs
+BUDGET_PROBE_STEPS = 10  # steps timed before the time budget fixes the step count
+
+
+def total_steps(recipe: Recipe, state: TrainerState) -> int:
+    """The steps this run takes: `train.steps`, or fewer where `train.time_budget_min` allows fewer."""
+    return state.planned_steps if state.planned_steps is not None else recipe.train.steps
+
+
+def cosine_with_warmup(step: int, warmup: int, total: int) -> float:
+    """The learning rate's factor at `step`: linear warmup over `warmup` steps, then a cosine to zero at `total`."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def steps_within_budget(recipe: Recipe, state: TrainerState, mark: tuple[int, float] | None, accelerator) -> int:
+    """min(train.steps, the steps that fit train.time_budget_min): the time spent so far (the evaluation
+    before training included), then per step the optimizer steps' time after `mark` (the first ones left
+    out), each `eval_every`-th step also a held-out evaluation as long as the one before training took, and
+    one more at the end. Decided on the main process and shared, so every process stops at the same step."""
+    cfg = recipe.train
+    step0, seconds0 = mark if mark is not None and mark[0] < state.step else (0, 0.0)
+    per_step = (state.train_seconds - seconds0) / max(1, state.step - step0)
+    evaluation = state.eval_seconds or 0.0
+    per_step += evaluation / cfg.eval_every if cfg.eval_every else 0.0
+    left = cfg.time_budget_min * 60 - state.loop_seconds - evaluation
+    planned = [max(state.step, min(cfg.steps, state.step + int(left / max(per_step, 1e-9))))]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(planned, from_process=0)
+    return int(planned[0])
 
 
 # --- one optimizer step ---------------------------------------------------------------------------
@@ -462,6 +523,8 @@ def training_summary(recipe, state: TrainerState, al_after: dict, data: Training
     return {
         "recipe": recipe.name,
         "steps": state.step,
+        "planned_steps": total_steps(recipe, state),  # train.steps, or what train.time_budget_min allowed
+        "loop_seconds": state.loop_seconds,
         "train_seconds": state.train_seconds,
         "tokens_trained": state.tokens_trained,
         "tokens_per_s": state.tokens_trained / max(state.train_seconds, 1e-9),

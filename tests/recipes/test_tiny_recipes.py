@@ -194,3 +194,22 @@ def test_keep_best_writes_the_weights_of_the_best_evaluation(keep_best, tmp_path
     assert common
     assert all(torch.equal(saved[k], snapshots[kept][k]) for k in common)
     assert not all(torch.equal(saved[k], snapshots[4 - kept][k]) for k in common)  # steps 10 and 30 differ
+
+
+@pytest.mark.slow
+def test_a_time_budget_takes_the_steps_that_fit_and_ends_the_schedule_there(tmp_path, data_cache, monkeypatch):
+    """100,000 steps asked, 6 seconds given: the run times its first steps, takes what fits, and its learning
+    rate reaches zero at the last of them; the summary says how many."""
+    out = tmp_path / "budget"
+    recipe = tiny("tiny-eagle", out, data_cache, "train.steps=100000", "train.time_budget_min=0.1",
+                  "train.eval_every=0", "train.checkpoint_every=0", "tracking.report_to=none")
+    lrs = []
+    from draftsmith.train import loop
+
+    real = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: (lambda m: lrs.append(m["lr"]) or m)(real(*a, **k)))
+    summary = train(recipe, progress=False)
+    assert loop.BUDGET_PROBE_STEPS <= summary["steps"] == summary["planned_steps"] < 100000
+    assert summary["loop_seconds"] < 2 * 6  # about the budget: steps and the evaluations before and after
+    assert len(lrs) == summary["steps"] and lrs[-1] == 0.0 and max(lrs) == pytest.approx(recipe.train.lr)
+    assert read_drafter_info(out / "drafter").training["planned_steps"] == summary["steps"]
