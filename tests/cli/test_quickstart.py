@@ -19,6 +19,7 @@ def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
     assert "speedup" in err and "identical to plain greedy" in err
     summary = (out / "quickstart.md").read_text()
     assert "eagle (trained)" in summary and "early-exit:1" in summary and "ngram" in summary
+    assert summary.count("Demo, decoded as `draftsmith generate`") == 1 and "identical to plain greedy" in summary
     reports = {p.parent.name: json.loads(p.read_text()) for p in (out / "eval").glob("*/report.json")}
     assert set(reports) == {"eagle", "early-exit-1", "ngram"}
     assert all(r["exactness"]["passed"] for r in reports.values())
@@ -30,6 +31,7 @@ def test_quickstart_tiny_end_to_end_and_second_run_reuses(tmp_path, capsys):
     assert main(["quickstart", "--tiny", "--out", str(out), "--no-progress"]) == 0
     assert "reusing" in capsys.readouterr().err
     assert (out / "train" / "drafter" / "config.json").stat().st_mtime_ns == stamp
+    assert (out / "quickstart.md").read_text().count("Demo, decoded as") == 1  # the second run's line, once
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
