@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random models built in the tests (no network, no files from outside the repository)."""
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,3 +150,19 @@ def machine_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_memory", {})
     monkeypatch.setattr(small_gemm, "_chosen", {})
     return tmp_path / "machine.json"
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def load_benchmark(monkeypatch):
+    """`load_benchmark(name)`: the script benchmarks/NAME.py as a module (the benchmarks are scripts, not a
+    package), with its folder on sys.path as when it runs, for the scripts that import a sibling."""
+    def load(name: str):
+        monkeypatch.syspath_prepend(str(BENCHMARKS))
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -1,22 +1,10 @@
 """benchmarks/regen_throughput.py: schedules and dtypes side by side in one table; bad choices exit 2."""
 
-import importlib.util
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("regen_throughput", REPO / "benchmarks" / "regen_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_dtypes_side_by_side(tmp_path, capsys):
+def test_dtypes_side_by_side(tmp_path, capsys, load_benchmark):
     import json
 
-    bench = load_benchmark()
+    bench = load_benchmark("regen_throughput")
     out = tmp_path / "r.json"
     assert bench.main(["--target", "tiny:0", "--prompts", "builtin:quickstart", "--count", "3", "--max-new-tokens", "4",
                        "--batch-sizes", "2", "--dtypes", "float32,bfloat16", "--json", str(out)]) == 0
@@ -30,8 +18,8 @@ def test_dtypes_side_by_side(tmp_path, capsys):
     assert all(r["identical"] and r["tokens"] > 0 for r in runs)
 
 
-def test_unknown_dtype_or_schedule_is_one_error_line(capsys):
-    bench = load_benchmark()
+def test_unknown_dtype_or_schedule_is_one_error_line(capsys, load_benchmark):
+    bench = load_benchmark("regen_throughput")
     assert bench.main(["--target", "tiny:0", "--dtypes", "float8"]) == 2
     assert bench.main(["--target", "tiny:0", "--schedules", "fast"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

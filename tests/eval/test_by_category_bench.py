@@ -1,22 +1,11 @@
 """benchmarks/by_category.py: each category's speedup over plain with a CI from the paired (prompt, repetition)
 decodes, and a category called slower only when its whole CI is below plain."""
 
-import importlib.util
 import json
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("by_category", REPO / "benchmarks" / "by_category.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_a_category_is_slower_only_when_its_whole_ci_is_below_plain():
-    bench = load_benchmark()
+def test_a_category_is_slower_only_when_its_whole_ci_is_below_plain(load_benchmark):
+    bench = load_benchmark("by_category")
     rows = [{"category": "math", "speedup_vs_plain": 1.2, "speedup_ci": [1.1, 1.3]},
             {"category": "translation", "speedup_vs_plain": 0.98, "speedup_ci": [0.95, 1.01]},
             {"category": "summarization", "speedup_vs_plain": 0.9, "speedup_ci": [0.85, 0.96]},
@@ -24,8 +13,8 @@ def test_a_category_is_slower_only_when_its_whole_ci_is_below_plain():
     assert bench.behind_plain(rows) == (["summarization"], ["translation"])
 
 
-def test_every_row_has_its_paired_ci(tmp_path, capsys):
-    bench = load_benchmark()
+def test_every_row_has_its_paired_ci(tmp_path, capsys, load_benchmark):
+    bench = load_benchmark("by_category")
     out = tmp_path / "c.json"
     assert bench.main(["--target", "tiny-lm:0:4", "--drafter", "ngram", "--prompts-file", "builtin:unlike_training",
                        "--per-category", "2", "--max-new-tokens", "6", "--reps", "2", "--json", str(out)]) == 0

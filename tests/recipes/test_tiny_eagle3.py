@@ -2,7 +2,6 @@
 import back."""
 
 import json
-from pathlib import Path
 
 import datasets
 import pytest
@@ -132,13 +131,12 @@ def test_trained_eagle3_drafter_beats_untrained_serves_exactly_and_exports(tmp_p
 
 
 @pytest.mark.slow
-def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_path, monkeypatch, capsys):
+def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_path, monkeypatch, capsys, load_benchmark):
     """benchmarks/drafter_gap.py rebuilds a drafter's recipe from its record and scores its objective's
     agreement on its training rows, its held-out prompts and other prompts, side by side: the trained
     drafter above the same recipe's drafter one negligible step from its initialisation, on the rows it
     trained on and on its held-out prompts. (Which of a tiny random target's sets is easiest to predict
     is the target's accident, so the sets are not ranked against each other.)"""
-    import importlib.util
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     common = [f"data.cache_dir={tmp_path / 'data'}", "tracking.report_to=none"]
@@ -148,11 +146,7 @@ def test_drafter_gap_scores_the_training_rows_above_prompts_it_never_saw(tmp_pat
                                       "train.warmup_steps=0", "train.eval_every=0"]), progress=False)
     other = tmp_path / "other.jsonl"
     other.write_text("".join(json.dumps({"prompt": f"zq{'wv' * (i % 5)} {i}?"}) + "\n" for i in range(6)))
-    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))  # where the script finds acceptance.py when run
-    spec = importlib.util.spec_from_file_location("drafter_gap", benchmarks / "drafter_gap.py")
-    drafter_gap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(drafter_gap)
+    drafter_gap = load_benchmark("drafter_gap")  # (it imports acceptance.py beside it)
 
     def gap(run):
         report = tmp_path / f"gap-{run.name}.json"
