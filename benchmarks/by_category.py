@@ -96,12 +96,9 @@ def main(argv=None) -> int:
                                                     verify_cost=args.verify_cost, round_cost=args.round_cost)),
     }
     names = list(systems)
-    # per (rep, system, category): tokens, seconds, rounds, drafted tokens
-    totals = defaultdict(lambda: [0, 0.0, 0, 0])
-    # per (system, category): (tokens, seconds) of each (rep, prompt), in the same order for every system
-    units: dict[tuple[str, str], dict[tuple[int, int], tuple[int, float]]] = defaultdict(dict)
-    reference: dict[tuple[str, int], list[int]] = {}
-    mismatches = defaultdict(int)
+    # per (system, category): each (rep, prompt)'s tokens, seconds, rounds and offered draft tokens
+    units: dict[tuple[str, str], dict[tuple[int, int], tuple[int, float, int, int]]] = defaultdict(dict)
+    outputs: dict[tuple[str, str, int, int], list[int]] = {}  # (system, category, rep, prompt): the tokens
     with torch.inference_mode():
         # Warm up every system once, untimed: the first decode on a machine also measures its passes
         # (speculative/calibrate.py: the linear path and the adaptive policy's pass costs, a few seconds).
@@ -121,22 +118,20 @@ def main(argv=None) -> int:
                         result = dec.generate([ids], options=options)
                         elapsed = time.perf_counter() - t0
                         tokens = result.tokens[0]
-                        if name == "plain":
-                            reference.setdefault((category, i), tokens)
-                        units[name, category][rep, i] = (len(tokens), elapsed)
-                        t = totals[rep, name, category]
-                        t[0] += len(tokens)
-                        t[1] += elapsed
-                        t[2] += result.stats.rounds
-                        t[3] += sum(result.stats.offered)
-                        if name != "plain" and reference.get((category, i)) not in (None, tokens):
-                            mismatches[name] += 1
+                        outputs[name, category, rep, i] = tokens
+                        units[name, category][rep, i] = (len(tokens), elapsed, result.stats.rounds,
+                                                         sum(result.stats.offered))
             print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
-    # A fixed/adaptive output decoded before plain's in the first turn is checked here.
+    # Every decode against plain's first of the same prompt (also those decoded before plain's in their turn).
+    mismatches = {name: sum(tokens != outputs["plain", category, 0, i]
+                            for (system, category, _, i), tokens in outputs.items() if system == name)
+                  for name in names[1:]}
     rows = []
     for category in categories:
         for name in names:
-            runs = [totals[r, name, category] for r in range(args.reps)]
+            # per repetition: the category's tokens, seconds, rounds and offered draft tokens
+            runs = [[sum(column) for column in zip(*(u for (r, _), u in units[name, category].items() if r == rep))]
+                    for rep in range(args.reps)]
             tps = statistics.median(t[0] / t[1] for t in runs)
             keys = sorted(units["plain", category])
             plain_units, mine = [units["plain", category][k] for k in keys], [units[name, category][k] for k in keys]
@@ -165,7 +160,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows,
                                          "mismatches": dict(mismatches)}, indent=2))
-    return 0 if not any(mismatches.values()) else 1  # (the summary lines read every system's count, 0s included)
+    return 0 if not any(mismatches.values()) else 1
 
 
 if __name__ == "__main__":
