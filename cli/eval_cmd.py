@@ -17,7 +17,8 @@ from draftsmith.speculative.errors import InvalidInputError
 
 # Flags whose value, when not given, comes from the baseline report (or the EvalSettings default).
 _SETTING_FLAGS = {
-    "modes": "modes", "draft_lens": "draft_lens", "batch_sizes": "batch_sizes", "max_new_tokens": "max_new_tokens",
+    "modes": "modes", "draft_lens": "draft_lens", "adaptive_draft_len": "adaptive_draft_len",
+    "batch_sizes": "batch_sizes", "max_new_tokens": "max_new_tokens",
     "limit": "limit", "chat": "chat", "seed": "seed", "bootstrap": "bootstrap",
     "fidelity_contexts": "fidelity_contexts", "fidelity_samples": "fidelity_samples",
     "fidelity_window": "fidelity_window", "retune_threshold": "retune_threshold",
@@ -42,6 +43,10 @@ def register(sub) -> None:
     p.add_argument("--prompt-column", help="the column holding the prompt text (default: inferred)")
     p.add_argument("--modes", help="comma list of greedy, sample:T[:P[:K]] (default greedy)")
     p.add_argument("--draft-lens", help="comma list of draft lengths D (default 1,2,4,8)")
+    p.add_argument("--adaptive-draft-len", type=int,
+                   help="also decode with the adaptive draft length up to N, as `generate` and `serve` do by "
+                        "default, and set its speed beside plain decoding per prompt category (default 4; 0 = "
+                        "the fixed-D sweep only)")
     p.add_argument("--draft-confidence", type=float,
                    help="dynamic draft length: stop a draft after a token the drafter gives less than this "
                         "probability; each D is then the most per round (default 0 = fixed D)")
@@ -139,9 +144,15 @@ def summary(r: dict, report_path: Path) -> str:
         lines.append(f"{a['mode']} D={a['draft_len']}: AL {a['al']:.2f} "
                      f"[{a['al_ci'][0]:.2f}, {a['al_ci'][1]:.2f}] (predicted {a['predicted_al']:.2f})")
     for v in r["speed"]:
-        if v["decoder"] == "speculative":
-            lines.append(f"{v['mode']} B={v['batch_size']} D={v['draft_len']}: {v['tokens_per_s']:.1f} tok/s, "
+        if v["decoder"] != "plain":
+            d = f"adaptive D<={v['draft_len']}" if v["decoder"] == "adaptive" else f"D={v['draft_len']}"
+            lines.append(f"{v['mode']} B={v['batch_size']} {d}: {v['tokens_per_s']:.1f} tok/s, "
                          f"speedup {v.get('speedup', float('nan')):.2f}x")
+    for c in r.get("speed_by_category") or []:
+        if c["decoder"] == "adaptive" and c["categories"]:
+            lines.append(f"{c['mode']} adaptive D<={c['draft_len']} per category: slower than plain decoding in "
+                         f"{', '.join(c['slower']) or 'none'} ({len(c['categories'])} categories, "
+                         f"{r['settings']['confidence']:.0%} CI)")
     e = r["exactness"]
     if e["greedy"] is not None:
         lines.append(f"greedy exactness: {e['greedy']['share_identical']:.1%} identical, "

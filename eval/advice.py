@@ -16,7 +16,9 @@ Expected throughput, with E[AL](D) from the per-position acceptance measured at 
     D >= 1         B * E[AL](D) / (D * t_draft + t_verify(D) + overhead_spec)
 
 The recommended D maximises it over 0 .. D_max (0 = do not speculate); positions past D_max were never
-measured, so the model does not extrapolate beyond them. It is set beside the best D of the measured sweep.
+measured, so the model does not extrapolate beyond them. It is set beside the best D of the measured sweep,
+and beside the adaptive row where there is one (the draft length chosen per request and round, which
+`generate` and `serve` use by default: the fixed D the advice names is for a server run with it fixed).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def measure_costs(target: torch.nn.Module, proposer, prompts: list[list[int]], b
     return costs
 
 
-def advise(costs: dict, alphas: list[float | None], spec_passes: list[Pass], plain: Pass, batch_size: int) -> dict:
-    """Expected tokens/s per D at one batch size and mode, the recommended D, and the measured sweep beside it."""
+def advise(costs: dict, alphas: list[float | None], spec_passes: list[Pass], plain: Pass, batch_size: int,
+           adaptive: Pass | None = None) -> dict:
+    """Expected tokens/s per D at one batch size and mode, the recommended D, and the measured sweep (and
+    the adaptive pass, if any) beside it."""
     overhead_spec = statistics.mean(round_overhead_s(p) for p in spec_passes)
     overhead_plain = round_overhead_s(plain)
     draft_step = costs["draft_step_s"]
@@ -93,6 +97,12 @@ def advise(costs: dict, alphas: list[float | None], spec_passes: list[Pass], pla
         # measured tokens/s at the recommended D over the best measured (None: that D was not swept)
         "recommended_vs_best": (at_recommended / best["tokens_per_s"]
                                 if at_recommended and best["tokens_per_s"] else None),
+        # the adaptive draft length as measured: its most D, tokens/s, speedup over the plain pass, and its
+        # tokens/s over the best of the fixed sweep (plain decoding included)
+        "adaptive": None if adaptive is None else {
+            "max_draft_len": adaptive.draft_len, "tokens_per_s": _rate(adaptive),
+            "speedup": _rate(adaptive) / _rate(plain) if _rate(plain) else None,
+            "vs_best_fixed": _rate(adaptive) / best["tokens_per_s"] if best["tokens_per_s"] else None},
     }
 
 

@@ -1,7 +1,7 @@
 """Decoding passes with per-prompt bookkeeping: what every figure of the evaluation is computed from.
 
-A *pass* decodes every prompt once with one decoder (speculative at draft length D, or plain: D = 0),
-one mode and one batch size. Per-prompt acceptance figures come only from batch-size-1 passes, where
+A *pass* decodes every prompt once with one decoder (speculative at draft length D, or plain: D = 0;
+an adaptive pass drafts up to D, as its acceptance pays for), one mode and one batch size. Per-prompt acceptance figures come only from batch-size-1 passes, where
 each `generate` call's DecodeStats belong to one prompt; batched passes feed the speed figures (and
 the greedy exactness check), because DecodeStats aggregate the rows of a batch.
 
@@ -54,6 +54,12 @@ class Pass:
     batch_size: int
     traces: list[Trace]
     calls: list[DecodeStats]  # one per generate call (per batch)
+    adaptive: bool = False  # the adaptive draft length, up to draft_len (generate's and serve's default)
+
+    @property
+    def decoder(self) -> str:
+        """How the report names the pass's decoder: plain, speculative (fixed D) or adaptive (up to D)."""
+        return "plain" if not self.draft_len else "adaptive" if self.adaptive else "speculative"
 
     @property
     def tokens(self) -> int:
@@ -72,37 +78,42 @@ class Pass:
 
 
 def decode_pass(decoder: SpeculativeDecoder, prompts: list[list[int]], settings: EvalSettings, mode: str,
-                draft_len: int, batch_size: int, progress=None) -> Pass:
-    """Decode every prompt in batches of `batch_size` (in prompt order)."""
+                draft_len: int, batch_size: int, progress=None, adaptive: bool = False) -> Pass:
+    """Decode every prompt in batches of `batch_size` (in prompt order); with `adaptive`, drafting up to
+    `draft_len` per round as the adaptive draft length decides."""
     traces: list[Trace] = []
     calls: list[DecodeStats] = []
     for start in range(0, len(prompts), batch_size):
         indices = list(range(start, min(start + batch_size, len(prompts))))
         batch_traces, stats = decode_batch(decoder, [prompts[i] for i in indices], indices, settings, mode,
-                                           draft_len)
+                                           draft_len, adaptive)
         traces.extend(batch_traces)
         calls.append(stats)
         if progress is not None:
             progress.update(len(indices))
-    return Pass(mode, draft_len, batch_size, traces, calls)
+    return Pass(mode, draft_len, batch_size, traces, calls, adaptive)
 
 
 def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices: list[int],
-                 settings: EvalSettings, mode: str, draft_len: int) -> tuple[list[Trace], DecodeStats]:
+                 settings: EvalSettings, mode: str, draft_len: int,
+                 adaptive: bool = False) -> tuple[list[Trace], DecodeStats]:
     emissions: list[list[tuple[float, int]]] = [[] for _ in prompts]
     start = time.perf_counter()
 
     def on_emit(row: int, ids: list[int]) -> None:
         emissions[row].append((time.perf_counter() - start, len(ids)))
 
-    result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices], settings.options(draft_len),
-                              on_emit=on_emit)
+    result = decoder.generate(prompts, [settings.sampling(mode, i) for i in indices],
+                              settings.options(draft_len, adaptive), on_emit=on_emit)
     own = result.stats if len(prompts) == 1 else None
     traces = [Trace(i, tokens, finish, emitted, own)
               for i, tokens, finish, emitted in zip(indices, result.tokens, result.finish_reasons, emissions)]
     return traces, result.stats
 
 
-def warm_up(decoder: SpeculativeDecoder, prompt: list[int], draft_len: int, batch_size: int) -> None:
-    """A short untimed decode, so one-off costs (allocator growth, kernel selection) stay out of timings."""
-    decoder.generate([prompt] * batch_size, options=DecodeOptions(max_new_tokens=min(8, 2 * draft_len + 2), draft_len=draft_len))
+def warm_up(decoder: SpeculativeDecoder, prompt: list[int], draft_len: int, batch_size: int,
+            adaptive: bool = False) -> None:
+    """A short untimed decode, so one-off costs (allocator growth, kernel selection; for an adaptive pass,
+    measuring the machine's pass and round costs the first time) stay out of timings."""
+    decoder.generate([prompt] * batch_size, options=DecodeOptions(max_new_tokens=min(8, 2 * draft_len + 2),
+                                                                  draft_len=draft_len, adaptive=adaptive))

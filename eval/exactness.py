@@ -1,7 +1,7 @@
 """Greedy exactness: every speculative greedy output must be the target's plain greedy output.
 
 The reference is plain greedy decoding of each prompt alone (batch size 1, `SpeculativeDecoder(target,
-None)`). Every other greedy pass (speculative at each D, batched speculative and batched plain) is
+None)`). Every other greedy pass (speculative at each D, adaptive, batched speculative and batched plain) is
 compared with it token for token. A divergence is reported with the first differing position and the
 target's logit margin there (top-1 minus top-2 logit, from one forward pass over the prompt and the
 reference prefix): a margin within the tie tolerance is a near-tie that a different arithmetic order
@@ -32,7 +32,7 @@ def greedy_exactness(target: torch.nn.Module, prompts: list[list[int]], ids: lis
             if len(divergences) < MAX_REPORTED_DIVERGENCES:
                 divergences.append(describe_divergence(target, prompts[trace.index], ids[trace.index],
                                                        expected, trace.tokens, other, tie_tolerance))
-        checks.append({"decoder": "speculative" if other.draft_len else "plain", "draft_len": other.draft_len,
+        checks.append({"decoder": other.decoder, "draft_len": other.draft_len,
                        "batch_size": other.batch_size, "prompts": len(other.traces), "identical": identical,
                        "share": identical / max(len(other.traces), 1)})
     errors = [d for d in divergences if d["kind"] == "error"]
@@ -55,6 +55,7 @@ def describe_divergence(target, prompt: list[int], prompt_id: str, expected: lis
     margin, top = logit_margin(target, prompt + expected[:position])
     return {
         "prompt_id": prompt_id,
+        "decoder": where.decoder,
         "draft_len": where.draft_len,
         "batch_size": where.batch_size,
         "position": position,  # index into the generated tokens

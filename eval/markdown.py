@@ -17,14 +17,16 @@ def render(r: dict, figures: dict[str, Path]) -> str:
         f"{'shared with the target' if r['drafter']['shares_target_weights'] else _short(r['drafter']['weight_hash'])}"
         ")",
         f"- prompts: {r['prompts']['count']} from `{r['prompts']['path']}`; modes {', '.join(s['modes'])}; "
-        f"D in {s['draft_lens']}; batch sizes {s['batch_sizes']}; max_new_tokens {s['max_new_tokens']}; "
+        f"D in {s['draft_lens']}{_adaptive_setting(s)}; batch sizes {s['batch_sizes']}; "
+        f"max_new_tokens {s['max_new_tokens']}; "
         f"chat {s['chat']}; seed {s['seed']}",
         f"- wall time: {r['wall_s']:.1f} s; exit code {r['exit_code']}",
         "",
     ]
     if r.get("comparison"):
         lines += [f"**Verdict: {r['comparison']['verdict']['reason']}**", ""]
-    lines += _exactness(r) + _acceptance(r, s) + _quality(r) + _speed(r) + _memory(r) + _advice(r)
+    lines += (_exactness(r) + _acceptance(r, s) + _quality(r) + _speed(r) + _speed_by_category(r, s) + _memory(r)
+              + _advice(r))
     if r.get("comparison"):
         lines += _comparison(r["comparison"], s)
     if figures:
@@ -63,7 +65,7 @@ def _exactness(r: dict) -> list[str]:
                    f"({g['errors']} errors, {g['near_ties']} near-ties within {g['tie_tolerance']:g} logits): "
                    f"{'pass' if g['passed'] else 'FAIL'}.")
         for d in g["divergences"]:
-            out.append(f"- prompt {d['prompt_id']} (D={d['draft_len']}, B={d['batch_size']}): first difference at "
+            out.append(f"- prompt {d['prompt_id']} ({_draft(d)}, B={d['batch_size']}): first difference at "
                        f"token {d['position']}, plain {d['plain_token']} vs {d['got_token']}, target margin "
                        f"{d['margin']:.3g} -> {d['kind']}")
     for f in e["sampling"]:
@@ -80,7 +82,7 @@ def _quality(r: dict) -> list[str]:
     for q in r["quality"]:
         ref = q["reference_metric"]
         ref_cells = f"{ref['value']:.3f} | {_ci(ref['ci'])}" if ref else "- | -"
-        out.append(f"| {q['mode']} | {q['decoder']} | {q['draft_len']} | {q['nll_per_token']:.3f} | "
+        out.append(f"| {q['mode']} | {q['decoder']} | {_d(q)} | {q['nll_per_token']:.3f} | "
                    f"{_ci(q['nll_ci'])} | {ref_cells} |")
     return out + [""]
 
@@ -90,10 +92,62 @@ def _speed(r: dict) -> list[str]:
            "| s per 1k tokens | AL |", "|---|---|---|---|---|---|---|---|---|---|"]
     for v in r["speed"]:
         lat = "/".join(_num(v["latency_ms"][q], 1) for q in ("p50", "p95", "p99"))
-        out.append(f"| {v['mode']} | {v['batch_size']} | {v['decoder']} | {v['draft_len']} | {v['tokens_per_s']:.1f} "
+        out.append(f"| {v['mode']} | {v['batch_size']} | {v['decoder']} | {_d(v)} | {v['tokens_per_s']:.1f} "
                    f"| {_num(v.get('speedup'), 2)} | {_num(v['ttft_s']['p50'], 3)} | {lat} "
                    f"| {_num(v['compute_s_per_1k_tokens'], 1)} | {_num(v['al'], 2)} |")
+    adaptive = [v for v in r["speed"] if v["decoder"] == "adaptive"]
+    if adaptive:
+        out += [""] + [f"Adaptive ({v['mode']}, B={v['batch_size']}): up to D={v['draft_len']}, "
+                       f"{v['mean_draft_len']:.2f} tokens drafted per round; the draft length `draftsmith generate` "
+                       f"and `serve` use by default." for v in adaptive]
     return out + [""]
+
+
+def _speed_by_category(r: dict, s: dict) -> list[str]:
+    """Each batch-size-1 decoder's speedup over plain decoding per prompt category, one column per decoder."""
+    rows = r.get("speed_by_category") or []
+    if not rows:
+        return []
+    ci = f"{s['confidence']:.0%} CI"
+    out = ["## Speed against plain decoding, per category (batch size 1)", "",
+           f"Speedup over plain decoding of the same prompts [{ci}, resampling prompts]; `slower` only where the "
+           "whole CI lies below 1. One decode per prompt and side: repeat the run before reading a category "
+           "with few prompts.", ""]
+    for mode in dict.fromkeys(row["mode"] for row in rows):
+        columns = [row for row in rows if row["mode"] == mode]
+        names = ["all", *columns[0]["categories"]]
+        out += [f"| {mode}: category | prompts | plain tok/s | " + " | ".join(_draft(c) for c in columns) + " |",
+                "|---|---|---|" + "---|" * len(columns)]
+        for name in names:
+            cells = [c["all"] if name == "all" else c["categories"][name] for c in columns]
+            out.append(f"| {name} | {cells[0]['prompts']} | {cells[0]['plain_tokens_per_s']:.1f} | "
+                       + " | ".join(_speedup_cell(cell) for cell in cells) + " |")
+        for c in columns:
+            if c["decoder"] == "adaptive":
+                slower = ", ".join(c["slower"]) or "none"
+                out += ["", f"{mode}, {_draft(c)} (the default): slower than plain decoding in: {slower}."]
+        out.append("")
+    return out
+
+
+def _speedup_cell(cell: dict) -> str:
+    low, high = cell["speedup_ci"]
+    mark = " **slower**" if cell["verdict"] == "slower" else ""
+    return f"{cell['speedup']:.2f}x [{_num(low, 2)}, {_num(high, 2)}]{mark}"
+
+
+def _draft(row: dict) -> str:
+    """How a row names its draft length: D=4, or adaptive D<=4."""
+    return f"adaptive D<={row['draft_len']}" if row.get("decoder") == "adaptive" else f"D={row['draft_len']}"
+
+
+def _d(row: dict) -> str:
+    return f"<={row['draft_len']}" if row.get("decoder") == "adaptive" else str(row["draft_len"])
+
+
+def _adaptive_setting(s: dict) -> str:
+    n = s.get("adaptive_draft_len", 0)
+    return f" and adaptive up to {n}" if n else ""
 
 
 def _memory(r: dict) -> list[str]:
@@ -121,7 +175,14 @@ def _advice(r: dict) -> list[str]:
         by_d = ", ".join(f"{e['draft_len']}: {e['expected_tokens_per_s']:.1f}" for e in a["expected"])
         out.append(f"| {a['mode']} | {a['batch_size']} | {a['recommended_draft_len']} | {rec['expected_speedup']:.2f} "
                    f"| {a['measured_best_draft_len']} | {'yes' if a['agrees'] else 'no'} | {by_d} |")
-    return out + ["", "D = 0 means plain decoding.", ""]
+    out += ["", "D = 0 means plain decoding."]
+    for a in r["advice"]:
+        m = a.get("adaptive")
+        if m:
+            out.append(f"Measured, {a['mode']} B={a['batch_size']}: the adaptive draft length (up to D={m['max_draft_len']}) "
+                       f"{m['tokens_per_s']:.1f} tokens/s, {_num(m['speedup'], 2)}x plain, "
+                       f"{_num(m['vs_best_fixed'], 2)}x the best fixed D of the sweep.")
+    return out + [""]
 
 
 def _comparison(c: dict, s: dict) -> list[str]:

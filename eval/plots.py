@@ -70,14 +70,18 @@ def position_acceptance(report: dict) -> Figure:
 
 
 def speed_vs_draft_len(report: dict) -> Figure:
-    """Tokens/s (left) and per-token latency p50 / p95 (right) against D; D = 0 is plain decoding."""
+    """Tokens/s (left) and per-token latency p50 / p95 (right) against D; D = 0 is plain decoding. The
+    adaptive row (its D the most it drafts) is a dotted level line across the sweep."""
     fig = Figure(figsize=(11, 3.8))
     rate_ax, latency_ax = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     groups: dict = {}
     for row in report["speed"]:
         groups.setdefault((row["mode"], row["batch_size"]), []).append(row)
     for g, ((mode, batch), rows) in enumerate(groups.items()):
-        rows = sorted(rows, key=lambda r: r["draft_len"])
+        for row in (r for r in rows if r["decoder"] == "adaptive"):
+            rate_ax.axhline(row["tokens_per_s"], linestyle=":", color=f"C{g % 10}",
+                            label=f"{mode}, B={batch}, adaptive D<={row['draft_len']}")
+        rows = sorted((r for r in rows if r["decoder"] != "adaptive"), key=lambda r: r["draft_len"])
         xs = [r["draft_len"] for r in rows]
         label, color = f"{mode}, B={batch}", f"C{g % 10}"
         rate_ax.plot(xs, [r["tokens_per_s"] for r in rows], marker="o", color=color, label=label)

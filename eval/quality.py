@@ -41,7 +41,7 @@ class QualityScorer:
                                model=self.target)
         row = {
             "mode": decoded.mode,
-            "decoder": "speculative" if decoded.draft_len else "plain",
+            "decoder": decoded.decoder,
             "draft_len": decoded.draft_len,
             "nll_per_token": nll["nll_per_token"],
             "nll_ci": list(bootstrap_ratio_ci(nll["nll_sums"], nll["token_counts"], **boot)),

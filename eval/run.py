@@ -2,11 +2,13 @@
 
 The order of the work, per mode (and per D of the sweep):
 
-    1. batch-size-1 passes: plain decoding, then speculative decoding at each D. Per-prompt acceptance,
-       greedy exactness, quality and the batch-size-1 speed figures all come from these passes; the
-       acceptance figures need them because DecodeStats aggregate over the rows of a batch.
-    2. for each batch size B > 1: plain and speculative passes in batches of B (speed, memory, and the
-       greedy exactness check of batched decoding).
+    1. batch-size-1 passes: plain decoding, then speculative decoding at each D, then the adaptive
+       draft length up to `adaptive_draft_len` (the default of `generate` and `serve`). Per-prompt
+       acceptance, greedy exactness, quality and the batch-size-1 speed figures (overall and per prompt
+       category) all come from these passes; the acceptance figures need them because DecodeStats
+       aggregate over the rows of a batch, and come from the fixed-D passes only.
+    2. for each batch size B > 1: the same passes in batches of B (speed, memory, and the greedy
+       exactness check of batched decoding).
     3. sampling fidelity for each sampled mode, at the largest D, on contexts from plain outputs.
     4. the draft-length cost model (timed loops per batch size) and its advice.
     5. with a baseline report: the paired change in acceptance and the keep / retune verdict.
@@ -78,14 +80,15 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
     if proposer is None:
         raise InvalidInputError("eval needs a drafter (--drafter DIR, early-exit:N or ngram)")
     stops = stop_token_ids(target.model, target.tokenizer)
-    # (fixed draft lengths only: the adaptive draft length's costs are not measured)
+    # The adaptive row's costs (this machine's passes and the drafter's rounds, remembered per machine) are
+    # measured by its untimed warm-up, only when there is an adaptive row.
     spec = SpeculativeDecoder(target.model, proposer, stop_token_ids=stops, verifier=verifier, measure_costs=False)
     plain = SpeculativeDecoder(target.model, None, stop_token_ids=stops)
     if plain_passes is not None:
         plain_passes.bind(target, encoded, settings)
     work = _Work(spec, plain, encoded, settings, progress, plain_passes)
 
-    passes = work.decode_all()
+    passes, adaptive = work.decode_all()
     records = [r for (mode, d, b), p in passes.items() if d and b == 1
                for r in acceptance.per_prompt_records(p, ids, categories)]
     accept = [acceptance.summarize([r for r in records if r["mode"] == m and r["draft_len"] == d], settings,
@@ -106,13 +109,14 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
                     "prompt_tokens": {"min": min(map(len, encoded)), "max": max(map(len, encoded))}},
         "acceptance": accept,
         "per_prompt": records,
-        "exactness": work.exactness(passes, target, ids),
-        "quality": work.quality(passes, target, references),
-        "speed": work.speed(passes),
+        "exactness": work.exactness(passes, adaptive, target, ids),
+        "quality": work.quality(passes, adaptive, target, references),
+        "speed": work.speed(passes, adaptive),
+        "speed_by_category": work.speed_by_category(passes, adaptive, categories),
         "memory": {"ledger": memory.ledger(target.model, proposer, max(map(len, encoded)) + settings.max_new_tokens
                                            + settings.max_draft_len, settings.batch_sizes),
                    "measured": work.peak.to_dict()},
-        "advice": work.advice(passes, accept, proposer),
+        "advice": work.advice(passes, adaptive, accept, proposer),
         "comparison": compare(baseline, records, settings) if baseline is not None else None,
     }
     work.close()
@@ -162,13 +166,15 @@ class _Work:
         batches = set(settings.batch_sizes) | {1}
         shared = plain_passes.passes if plain_passes is not None else {}
         reused = sum(len(prompts) for m in settings.modes for b in batches if (m, b) in shared)
-        per_pass = len(prompts) * len(settings.modes) * (1 + len(settings.draft_lens))
+        decoders = 1 + len(settings.draft_lens) + bool(settings.adaptive_draft_len)  # plain, each D, adaptive
+        per_pass = len(prompts) * len(settings.modes) * decoders
         total = per_pass * len(batches) - reused + len(sampled) * settings.fidelity_contexts
         self.bar = tqdm(total=total, desc="draftsmith eval", unit="decode", file=sys.stderr, disable=not progress,
                         dynamic_ncols=True)
 
-    def decode_all(self) -> dict[tuple[str, int, int], Pass]:
-        passes = {}
+    def decode_all(self) -> tuple[dict[tuple[str, int, int], Pass], dict[tuple[str, int], Pass]]:
+        """The fixed-D and plain passes by (mode, D, batch size), and the adaptive ones by (mode, batch size)."""
+        passes, adaptive = {}, {}
         for batch in sorted(set(self.s.batch_sizes) | {1}):
             self.peak.start()
             for draft_len in [0, *self.s.draft_lens]:
@@ -184,10 +190,16 @@ class _Work:
                                                                  batch, self.bar)
                     if shared is not None:
                         shared[mode, batch] = passes[mode, draft_len, batch]
+            if self.s.adaptive_draft_len:
+                warm_up(self.spec, self.prompts[0], self.s.adaptive_draft_len, batch, adaptive=True)
+                for mode in self.s.modes:
+                    self.bar.set_postfix_str(f"{mode} adaptive D<={self.s.adaptive_draft_len} B={batch}")
+                    adaptive[mode, batch] = decode_pass(self.spec, self.prompts, self.s, mode,
+                                                        self.s.adaptive_draft_len, batch, self.bar, adaptive=True)
             self.peak.record(batch)
-        return passes
+        return passes, adaptive
 
-    def exactness(self, passes, target: LoadedModel, ids: list[str]) -> dict:
+    def exactness(self, passes, adaptive, target: LoadedModel, ids: list[str]) -> dict:
         greedy_modes = [m for m in self.s.modes if is_greedy(m)]
         tolerance = self.s.tie_tolerance
         if tolerance is None:
@@ -196,6 +208,7 @@ class _Work:
         if greedy_modes:
             mode = greedy_modes[0]
             others = [p for (m, d, b), p in passes.items() if m == mode and (d or b > 1)]
+            others += [p for (m, b), p in adaptive.items() if m == mode]
             greedy = exactness.greedy_exactness(target.model, self.prompts, ids, passes[mode, 0, 1], others, tolerance)
         source = passes[(greedy_modes or self.s.modes)[0], 0, 1].outputs()
         contexts = fidelity.make_contexts(self.prompts, source, self.s.fidelity_contexts, self.s.fidelity_window)
@@ -209,7 +222,7 @@ class _Work:
         return {"greedy": greedy, "sampling": sampling, "fidelity_contexts_from": "plain outputs of "
                 f"{(greedy_modes or self.s.modes)[0]}", "passed": passed}
 
-    def quality(self, passes, target: LoadedModel, references: list[str]) -> list[dict]:
+    def quality(self, passes, adaptive, target: LoadedModel, references: list[str]) -> list[dict]:
         self.bar.set_postfix_str("quality")
         scorer = QualityScorer(target.model, target.tokenizer, self.prompts, references, self.s)
         rows = []
@@ -217,18 +230,31 @@ class _Work:
             plain = passes[mode, 0, 1]
             rows.append(scorer.score(plain, None, self.s.seed + 13))
             rows += [scorer.score(passes[mode, d, 1], plain, self.s.seed + 13) for d in self.s.draft_lens]
+            if (mode, 1) in adaptive:
+                rows.append(scorer.score(adaptive[mode, 1], plain, self.s.seed + 13))
         return rows
 
-    def speed(self, passes) -> list[dict]:
+    def speed(self, passes, adaptive) -> list[dict]:
         rows = []
         for batch in self.s.batch_sizes:
             for mode in self.s.modes:
                 plain = passes[mode, 0, batch]
                 rows.append(speed.speed_row(plain, None))
                 rows += [speed.speed_row(passes[mode, d, batch], plain) for d in self.s.draft_lens]
+                if (mode, batch) in adaptive:
+                    rows.append(speed.speed_row(adaptive[mode, batch], plain))
         return rows
 
-    def advice(self, passes, accept: list[dict], proposer) -> list[dict]:
+    def speed_by_category(self, passes, adaptive, categories: list[str]) -> list[dict]:
+        """Every batch-size-1 speculative pass against plain decoding, overall and per prompt category."""
+        rows = []
+        for mode in self.s.modes:
+            spec = [passes[mode, d, 1] for d in self.s.draft_lens]
+            spec += [adaptive[mode, 1]] if (mode, 1) in adaptive else []
+            rows += [speed.by_category(p, passes[mode, 0, 1], categories, self.s, self.s.seed + 17) for p in spec]
+        return rows
+
+    def advice(self, passes, adaptive, accept: list[dict], proposer) -> list[dict]:
         self.bar.set_postfix_str("draft-length cost model")
         rates = {a["mode"]: [p["rate"] for p in a["positions"]]
                  for a in accept if a["draft_len"] == self.s.max_draft_len}
@@ -239,7 +265,8 @@ class _Work:
                                              self.s.max_new_tokens // 2, self.s.timing_reps)
             for mode in self.s.modes:
                 spec_passes = [passes[mode, d, batch] for d in self.s.draft_lens]
-                rows.append(advice.advise(costs, rates[mode], spec_passes, passes[mode, 0, batch], batch))
+                rows.append(advice.advise(costs, rates[mode], spec_passes, passes[mode, 0, batch], batch,
+                                          adaptive.get((mode, batch))))
         return rows
 
     def close(self) -> None:

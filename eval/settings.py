@@ -37,6 +37,11 @@ class EvalSettings:
 
     modes: list[str] = field(default_factory=lambda: ["greedy"])  # "greedy", "sample:T[:P[:K]]"
     draft_lens: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # D values of the sweep, each >= 1
+    # N > 0: one more speculative row decoded as `draftsmith generate` and `serve` decode by default, the
+    # adaptive draft length (each request drafts up to N tokens, as many as its own acceptance pays for on
+    # this machine's measured costs); its speed is reported beside plain decoding per prompt category.
+    # 0 = the fixed-D sweep only.
+    adaptive_draft_len: int = 4
     draft_confidence: float = 0.0  # > 0: dynamic draft length (see speculative/proposers.py); D is the most
     draft_alternatives: int = 0  # A > 0: greedy rows also verify the drafter's A runner-ups per position (tree.py)
     leaf_min_prob: float = 0.0  # ... each only when the drafter's estimate that it is taken is at least this
@@ -75,6 +80,8 @@ class EvalSettings:
             (0 <= self.draft_confidence < 1, f"--draft-confidence must lie in [0, 1), got {self.draft_confidence}"),
             (self.draft_alternatives >= 0, f"--draft-alternatives must be >= 0, got {self.draft_alternatives}"),
             (0 <= self.leaf_min_prob < 1, f"--leaf-min-prob must lie in [0, 1), got {self.leaf_min_prob}"),
+            (isinstance(self.adaptive_draft_len, int) and self.adaptive_draft_len >= 0,
+             f"--adaptive-draft-len must be an integer >= 0 (0 = no adaptive row), got {self.adaptive_draft_len}"),
             (self.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {self.max_new_tokens}"),
             (self.limit is None or self.limit >= 1, f"--limit must be >= 1, got {self.limit}"),
             (self.bootstrap >= MIN_BOOTSTRAP, f"--bootstrap needs >= {MIN_BOOTSTRAP} resamples, got {self.bootstrap}"),
@@ -95,11 +102,12 @@ class EvalSettings:
     def max_draft_len(self) -> int:
         return max(self.draft_lens)
 
-    def options(self, draft_len: int) -> DecodeOptions:
-        """The decoding options of the sweep's point at draft length D."""
+    def options(self, draft_len: int, adaptive: bool = False) -> DecodeOptions:
+        """The decoding options of the sweep's point at draft length D (with `adaptive`: the most D of the
+        adaptive row)."""
         return DecodeOptions(max_new_tokens=self.max_new_tokens, draft_len=draft_len,
                              draft_confidence=self.draft_confidence, draft_alternatives=self.draft_alternatives,
-                             leaf_min_prob=self.leaf_min_prob)
+                             leaf_min_prob=self.leaf_min_prob, adaptive=adaptive)
 
     def sampling(self, mode: str, prompt_index: int) -> SamplingParams:
         return parse_mode(mode, seed=self.seed + prompt_index)

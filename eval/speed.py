@@ -8,6 +8,11 @@ Per (mode, batch size, decoder, D):
 - compute_s_per_1k_tokens: device-seconds spent per 1,000 generated tokens (1000 / tokens_per_s; one
   device, so the batch shares it);
 - speedup: tokens_per_s over the plain pass of the same mode and batch size.
+
+The adaptive row (decoder "adaptive", D its most per round) decodes as `draftsmith generate` and `serve`
+do by default; mean_draft_len says how much it drafted. `by_category` sets each batch-size-1 row beside
+plain decoding per prompt category, with a CI from resampling prompts (plain and speculative paired on
+the same prompts): the question "is the default ever slower than not drafting at all?".
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from draftsmith.eval.decoding import Pass
-from draftsmith.eval.stats import percentile
+from draftsmith.eval.settings import EvalSettings
+from draftsmith.eval.stats import paired_ratio_change, percentile
 
 
 def speed_row(decoded: Pass, plain: Pass | None) -> dict:
@@ -26,8 +32,8 @@ def speed_row(decoded: Pass, plain: Pass | None) -> dict:
     row = {
         "mode": decoded.mode,
         "batch_size": decoded.batch_size,
-        "decoder": "speculative" if decoded.draft_len else "plain",
-        "draft_len": decoded.draft_len,
+        "decoder": decoded.decoder,
+        "draft_len": decoded.draft_len,  # the adaptive row: the most it drafts per round
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": rate,
@@ -36,6 +42,7 @@ def speed_row(decoded: Pass, plain: Pass | None) -> dict:
         "latency_ms": {"p50": percentile(gaps, 50), "p95": percentile(gaps, 95), "p99": percentile(gaps, 99)},
         "compute_s_per_1k_tokens": 1000 * seconds / tokens if tokens else None,
         "al": _pooled_al(decoded) if decoded.draft_len else 1.0,
+        "mean_draft_len": _mean_draft_len(decoded),
         "time_split_s": _time_split(decoded),
     }
     if plain is not None and plain.seconds > 0 and seconds > 0:
@@ -47,6 +54,39 @@ def _pooled_al(decoded: Pass) -> float:
     emitted = sum(sum(k * n for k, n in enumerate(s.emitted_hist)) for s in decoded.calls)
     rounds = sum(s.rounds for s in decoded.calls)
     return emitted / rounds if rounds else float("nan")
+
+
+def _mean_draft_len(decoded: Pass) -> float:
+    """Draft tokens proposed per row round (D at a fixed length; less when adaptive or confidence-stopped)."""
+    rounds = sum(s.rounds for s in decoded.calls)
+    return sum(s.drafted for s in decoded.calls) / rounds if rounds else 0.0
+
+
+def by_category(decoded: Pass, plain: Pass, categories: list[str], settings: EvalSettings, seed: int) -> dict:
+    """Speedup of a batch-size-1 pass over plain decoding of the same prompts, over all prompts and per
+    category: tokens/s summed per side (tokens over seconds, prefill included), with a CI from resampling
+    prompts jointly on both sides. A category is `slower` only when its whole CI lies below 1, `faster`
+    when it lies above; in between the prompts cannot tell it from plain decoding. Each prompt is decoded
+    once per side, so the CI holds the timing noise only as far as it differs from prompt to prompt."""
+    assert decoded.batch_size == plain.batch_size == 1, "per-prompt timings need batch-size-1 passes"
+    by_index = {t.index: t for t in plain.traces}
+    units = [(categories[t.index] or "(none)", by_index[t.index].stats, t.stats) for t in decoded.traces]
+    groups = {"all": units}
+    if any(c for c in categories):
+        for name in sorted({u[0] for u in units}):
+            groups[name] = [u for u in units if u[0] == name]
+    out = {}
+    for name, rows in groups.items():
+        change = paired_ratio_change([p.new_tokens for _, p, _ in rows], [p.total_s for _, p, _ in rows],
+                                     [s.new_tokens for _, _, s in rows], [s.total_s for _, _, s in rows],
+                                     resamples=settings.bootstrap, confidence=settings.confidence, seed=seed)
+        low, high = (1 + v for v in change["relative_ci"])
+        out[name] = {"prompts": len(rows), "plain_tokens_per_s": change["old"], "tokens_per_s": change["new"],
+                     "speedup": 1 + change["relative"], "speedup_ci": [low, high],
+                     "verdict": "slower" if high < 1 else "faster" if low > 1 else "not told apart"}
+    return {"mode": decoded.mode, "decoder": decoded.decoder, "draft_len": decoded.draft_len,
+            "all": out.pop("all"), "categories": out,
+            "slower": [name for name, c in out.items() if c["verdict"] == "slower"]}
 
 
 def _time_split(decoded: Pass) -> dict:

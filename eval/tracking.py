@@ -47,10 +47,15 @@ def scalars(report: dict) -> dict:
             if p["rate"] is not None:
                 out[f"{key}/alpha_{p['position']}"] = p["rate"]
     for v in report["speed"]:
-        key = f"speed/{v['mode']}/B{v['batch_size']}/D{v['draft_len']}"
+        d = f"adaptive-D{v['draft_len']}" if v["decoder"] == "adaptive" else f"D{v['draft_len']}"
+        key = f"speed/{v['mode']}/B{v['batch_size']}/{d}"
         out[f"{key}/tokens_per_s"] = v["tokens_per_s"]
         if v.get("speedup") is not None:
             out[f"{key}/speedup"] = v["speedup"]
+    for c in report.get("speed_by_category") or []:
+        if c["decoder"] == "adaptive":
+            for name, cell in {"all": c["all"], **c["categories"]}.items():
+                out[f"speed_by_category/{c['mode']}/adaptive-D{c['draft_len']}/{name}/speedup"] = cell["speedup"]
     greedy = report["exactness"]["greedy"]
     if greedy is not None:
         out["exactness/greedy_share_identical"] = greedy["share_identical"]

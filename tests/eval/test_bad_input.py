@@ -42,6 +42,7 @@ def edited(baseline, tmp_path, edit):
     ("mismatched tokenizer", "tokenizers differ"),
     ("bad mode", "unknown mode 'beam'"),
     ("bad draft lens", "--draft-lens: 'x' is not an integer"),
+    ("negative adaptive draft len", "--adaptive-draft-len must be an integer >= 0"),
     ("no drafter", "eval needs --drafter"),
 ])
 def test_bad_arguments(case, message, models, prompt_file, tmp_path, capsys):
@@ -61,6 +62,8 @@ def test_bad_arguments(case, message, models, prompt_file, tmp_path, capsys):
         extra = ["--modes", "beam"]
     elif case == "bad draft lens":
         extra = ["--draft-lens", "1,x"]
+    elif case == "negative adaptive draft len":
+        extra = ["--adaptive-draft-len", "-1"]
     elif case == "no drafter":
         args.pop("drafter")
     flags = [x for k, v in args.items() for x in (f"--{k}", v)]

@@ -121,3 +121,23 @@ def test_sibling_leaves_are_recorded_and_exact(target, prompts, models):
 
     assert "Sibling leaves (greedy, D=2)" in markdown.render(report.data, {})
     assert report.data["exactness"]["passed"]
+
+
+def test_adaptive_row_decodes_as_generate_does_and_is_checked(target, prompts, models, machine_cache):
+    """The adaptive row (generate's and serve's default) is decoded, checked against plain greedy, scored
+    and timed per category; its costs are measured by its untimed warm-up. adaptive_draft_len=0 drops it."""
+    report = evaluate(target, str(models / "copy"), prompts, small(adaptive_draft_len=3), progress=False).data
+    (row,) = [v for v in report["speed"] if v["decoder"] == "adaptive"]
+    assert row["draft_len"] == 3 and row["speedup"] > 0 and 0 < row["mean_draft_len"] <= 3
+    check = next(c for c in report["exactness"]["greedy"]["checks"] if c["decoder"] == "adaptive")
+    assert check["identical"] == len(prompts) and report["exactness"]["passed"]
+    assert any(q["decoder"] == "adaptive" and q["identical_to_plain"] == len(prompts) for q in report["quality"])
+    assert [c["decoder"] for c in report["speed_by_category"]] == ["speculative", "adaptive"]
+    (advice,) = report["advice"]
+    assert advice["adaptive"]["max_draft_len"] == 3 and advice["adaptive"]["tokens_per_s"] == row["tokens_per_s"]
+    assert machine_cache.is_file()  # the adaptive length's costs were measured for it
+    fixed_only = evaluate(target, str(models / "copy"), prompts, small(adaptive_draft_len=0), progress=False).data
+    assert [v["decoder"] for v in fixed_only["speed"]] == ["plain", "speculative"]
+    assert [c["decoder"] for c in fixed_only["speed_by_category"]] == ["speculative"]
+    assert fixed_only["advice"][0]["adaptive"] is None
+    assert all(c["decoder"] != "adaptive" for c in fixed_only["exactness"]["greedy"]["checks"])

@@ -41,7 +41,9 @@ def test_perfect_drafter_accepts_everything_and_is_exact(base_run):
         assert all(p["rate"] == 1.0 for p in row["positions"])
     greedy = report["exactness"]["greedy"]
     assert greedy["share_identical"] == 1.0 and greedy["passed"] and not greedy["divergences"]
-    assert {(c["draft_len"], c["batch_size"]) for c in greedy["checks"]} == {(1, 1), (3, 1), (0, 2), (1, 2), (3, 2)}
+    assert {(c["decoder"], c["draft_len"], c["batch_size"]) for c in greedy["checks"]} == {
+        ("speculative", 1, 1), ("speculative", 3, 1), ("adaptive", 4, 1), ("plain", 0, 2), ("speculative", 1, 2),
+        ("speculative", 3, 2), ("adaptive", 4, 2)}  # the adaptive row (up to D=4, the default) is checked too
     (fidelity,) = report["exactness"]["sampling"]
     assert fidelity["passed"] and fidelity["samples_per_side"] == 100 and len(fidelity["contexts"]) == 2
     for q in report["quality"]:
@@ -62,8 +64,18 @@ def test_report_schema_and_files(base_run):
     assert set(acceptance["by_category"]) == {"chat", "code"}
     assert len(acceptance["al_ci"]) == 2 and acceptance["al_ci"][0] <= acceptance["al"] <= acceptance["al_ci"][1]
     assert len(report["per_prompt"]) == 4 * 2 * 2
-    speed = {(v["mode"], v["batch_size"], v["draft_len"]) for v in report["speed"]}
-    assert len(speed) == 2 * 2 * 3
+    speed = {(v["mode"], v["batch_size"], v["decoder"], v["draft_len"]) for v in report["speed"]}
+    assert len(speed) == 2 * 2 * 4  # plain, D=1, D=3 and the adaptive row, per mode and batch size
+    assert {(d, n) for _, _, d, n in speed} == {("plain", 0), ("speculative", 1), ("speculative", 3), ("adaptive", 4)}
+    # the perfect drafter's adaptive rows draft (its acceptance pays for it)
+    assert all(v["mean_draft_len"] > 0 and v["al"] > 1 for v in report["speed"] if v["decoder"] == "adaptive")
+    by_category = report["speed_by_category"]
+    assert [(c["mode"], c["decoder"], c["draft_len"]) for c in by_category] == [
+        (m, d, n) for m in ("greedy", "sample:1.0") for d, n in (("speculative", 1), ("speculative", 3), ("adaptive", 4))]
+    for c in by_category:
+        assert set(c["categories"]) == {"chat", "code"} and c["all"]["prompts"] == 4
+        low, high = c["all"]["speedup_ci"]
+        assert low <= c["all"]["speedup"] <= high
     row = report["speed"][1]
     assert row["speedup"] > 0 and row["latency_ms"]["p99"] >= row["latency_ms"]["p50"] > 0
     assert row["ttft_s"]["p50"] > 0 and row["compute_s_per_1k_tokens"] > 0
@@ -79,6 +91,8 @@ def test_report_schema_and_files(base_run):
     assert any(q["reference_metric"] and q["reference_metric"]["name"] == "rougeL_f1" for q in quality)
     md = (out / "report.md").read_text()
     assert "## Acceptance" in md and "## Speed" in md and "## Draft-length advice" in md
+    assert "## Speed against plain decoding, per category" in md and "| greedy: category |" in md
+    assert "adaptive D<=4 (the default): slower than plain decoding in:" in md
     for name in ("al_histogram.png", "position_acceptance.png", "speed_vs_draft_len.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
