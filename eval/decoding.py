@@ -77,21 +77,36 @@ class Pass:
         return [t.tokens for t in self.traces]
 
 
-def decode_pass(decoder: SpeculativeDecoder, prompts: list[list[int]], settings: EvalSettings, mode: str,
-                draft_len: int, batch_size: int, progress=None, adaptive: bool = False) -> Pass:
-    """Decode every prompt in batches of `batch_size` (in prompt order); with `adaptive`, drafting up to
-    `draft_len` per round as the adaptive draft length decides."""
-    traces: list[Trace] = []
-    calls: list[DecodeStats] = []
-    for start in range(0, len(prompts), batch_size):
+@dataclass(frozen=True)
+class System:
+    """One way of decoding a pass: a decoder, a mode and a draft length (0 = plain; `adaptive`: up to it)."""
+
+    decoder: SpeculativeDecoder
+    mode: str
+    draft_len: int
+    adaptive: bool = False
+
+
+def decode_passes(systems: list[System], prompts: list[list[int]], settings: EvalSettings, batch_size: int,
+                  progress=None) -> list[Pass]:
+    """One pass per system over every prompt, in batches of `batch_size` (in prompt order), the systems taking
+    turns on each batch of prompts, their order rotating from batch to batch: a machine whose speed drifts
+    during the run (a shared CPU, a GPU's clocks) slows every system alike, instead of whichever pass ran in a
+    slow minute, so the speedups and per-prompt timings compare like with like."""
+    traces: list[list[Trace]] = [[] for _ in systems]
+    calls: list[list[DecodeStats]] = [[] for _ in systems]
+    for turn, start in enumerate(range(0, len(prompts), batch_size)):
         indices = list(range(start, min(start + batch_size, len(prompts))))
-        batch_traces, stats = decode_batch(decoder, [prompts[i] for i in indices], indices, settings, mode,
-                                           draft_len, adaptive)
-        traces.extend(batch_traces)
-        calls.append(stats)
-        if progress is not None:
-            progress.update(len(indices))
-    return Pass(mode, draft_len, batch_size, traces, calls, adaptive)
+        for k in range(len(systems)):
+            j = (turn + k) % len(systems)
+            system = systems[j]
+            batch_traces, stats = decode_batch(system.decoder, [prompts[i] for i in indices], indices, settings,
+                                               system.mode, system.draft_len, system.adaptive)
+            traces[j].extend(batch_traces)
+            calls[j].append(stats)
+            if progress is not None:
+                progress.update(len(indices))
+    return [Pass(s.mode, s.draft_len, batch_size, t, c, s.adaptive) for s, t, c in zip(systems, traces, calls)]
 
 
 def decode_batch(decoder: SpeculativeDecoder, prompts: list[list[int]], indices: list[int],

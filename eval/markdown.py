@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftsmith.eval.speed import MIN_PROMPTS_FOR_VERDICT
+
 
 def render(r: dict, figures: dict[str, Path]) -> str:
     s = r["settings"]
@@ -110,9 +112,10 @@ def _speed_by_category(r: dict, s: dict) -> list[str]:
         return []
     ci = f"{s['confidence']:.0%} CI"
     out = ["## Speed against plain decoding, per category (batch size 1)", "",
-           f"Speedup over plain decoding of the same prompts [{ci}, resampling prompts]; `slower` only where the "
-           "whole CI lies below 1. One decode per prompt and side: repeat the run before reading a category "
-           "with few prompts.", ""]
+           f"Speedup over plain decoding of the same prompts [{ci}, resampling prompts; the decoders took turns on "
+           f"each prompt]; `slower` only where the whole CI lies below 1, no verdict under "
+           f"{MIN_PROMPTS_FOR_VERDICT} prompts. One decode per prompt and decoder: the CI holds timing noise only as "
+           "far as it varies from prompt to prompt.", ""]
     for mode in dict.fromkeys(row["mode"] for row in rows):
         columns = [row for row in rows if row["mode"] == mode]
         names = ["all", *columns[0]["categories"]]
@@ -124,15 +127,23 @@ def _speed_by_category(r: dict, s: dict) -> list[str]:
                        + " | ".join(_speedup_cell(cell) for cell in cells) + " |")
         for c in columns:
             if c["decoder"] == "adaptive":
-                slower = ", ".join(c["slower"]) or "none"
-                out += ["", f"{mode}, {_draft(c)} (the default): slower than plain decoding in: {slower}."]
+                out += ["", f"{mode}, {_draft(c)} (the default): {slower_line(c)}."]
         out.append("")
     return out
 
 
+def slower_line(c: dict) -> str:
+    """Where one speed_by_category row is slower than plain decoding, and where it has too few prompts to say."""
+    line = f"slower than plain decoding in: {', '.join(c['slower']) or 'none'}"
+    few = c.get("too_few_prompts") or []
+    if few:
+        line += f" (too few prompts to tell in {len(few)} of {len(c['categories'])} categories: {', '.join(few)})"
+    return line
+
+
 def _speedup_cell(cell: dict) -> str:
     low, high = cell["speedup_ci"]
-    mark = " **slower**" if cell["verdict"] == "slower" else ""
+    mark = {"slower": " **slower**", "too few prompts": " (few)"}.get(cell["verdict"], "")
     return f"{cell['speedup']:.2f}x [{_num(low, 2)}, {_num(high, 2)}]{mark}"
 
 

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from draftsmith import __version__
 from draftsmith.eval import acceptance, advice, exactness, fidelity, memory, speed
-from draftsmith.eval.decoding import Pass, decode_pass, warm_up
+from draftsmith.eval.decoding import Pass, System, decode_passes, warm_up
 from draftsmith.eval.quality import QualityScorer
 from draftsmith.eval.report import EXIT_INEXACT, EXIT_OK, Report, prepare_out_dir
 from draftsmith.eval.settings import TIE_TOLERANCE, EvalSettings, is_greedy
@@ -59,7 +59,8 @@ def evaluate(target: LoadedModel, drafter_spec: str, prompts: datasets.Dataset, 
 
     `plain_passes` shares the plain-decoding passes between runs that evaluate several drafters on the
     same target, prompts and settings (plain decoding does not depend on the drafter): a fresh
-    `PlainPasses()` is filled by the first run, and later runs reuse its passes instead of decoding them again.
+    `PlainPasses()` is filled by the first run, and later runs reuse its passes instead of decoding them again
+    (so their speedups rest on plain passes decoded beside the first run's drafter, not beside their own).
     """
     started = time.perf_counter()
     if len(prompts) == 0:
@@ -173,29 +174,29 @@ class _Work:
                         dynamic_ncols=True)
 
     def decode_all(self) -> tuple[dict[tuple[str, int, int], Pass], dict[tuple[str, int], Pass]]:
-        """The fixed-D and plain passes by (mode, D, batch size), and the adaptive ones by (mode, batch size)."""
+        """The fixed-D and plain passes by (mode, D, batch size), and the adaptive ones by (mode, batch size).
+        At each batch size every system (plain, each D, adaptive, per mode) takes its turn on each batch of
+        prompts (decoding.decode_passes), after one untimed warm-up each."""
         passes, adaptive = {}, {}
         for batch in sorted(set(self.s.batch_sizes) | {1}):
             self.peak.start()
-            for draft_len in [0, *self.s.draft_lens]:
-                decoder = self.spec if draft_len else self.plain
-                shared = self.plain_passes.passes if not draft_len and self.plain_passes is not None else None
-                if shared is not None and all((mode, batch) in shared for mode in self.s.modes):
-                    passes.update({(mode, 0, batch): shared[mode, batch] for mode in self.s.modes})
-                    continue
-                warm_up(decoder, self.prompts[0], draft_len, batch)
-                for mode in self.s.modes:
-                    self.bar.set_postfix_str(f"{mode} D={draft_len} B={batch}")
-                    passes[mode, draft_len, batch] = decode_pass(decoder, self.prompts, self.s, mode, draft_len,
-                                                                 batch, self.bar)
-                    if shared is not None:
-                        shared[mode, batch] = passes[mode, draft_len, batch]
-            if self.s.adaptive_draft_len:
-                warm_up(self.spec, self.prompts[0], self.s.adaptive_draft_len, batch, adaptive=True)
-                for mode in self.s.modes:
-                    self.bar.set_postfix_str(f"{mode} adaptive D<={self.s.adaptive_draft_len} B={batch}")
-                    adaptive[mode, batch] = decode_pass(self.spec, self.prompts, self.s, mode,
-                                                        self.s.adaptive_draft_len, batch, self.bar, adaptive=True)
+            shared = self.plain_passes.passes if self.plain_passes is not None else None
+            reused = shared is not None and all((mode, batch) in shared for mode in self.s.modes)
+            if reused:
+                passes.update({(mode, 0, batch): shared[mode, batch] for mode in self.s.modes})
+            lengths = [(d, False) for d in ([] if reused else [0]) + self.s.draft_lens]
+            lengths += [(self.s.adaptive_draft_len, True)] if self.s.adaptive_draft_len else []
+            systems = [System(self.spec if d else self.plain, mode, d, a) for d, a in lengths for mode in self.s.modes]
+            for d, a in lengths:
+                warm_up(self.spec if d else self.plain, self.prompts[0], d, batch, adaptive=a)
+            self.bar.set_postfix_str(f"B={batch}: {len(systems)} systems in turn")
+            for p in decode_passes(systems, self.prompts, self.s, batch, self.bar):
+                if p.adaptive:
+                    adaptive[p.mode, batch] = p
+                else:
+                    passes[p.mode, p.draft_len, batch] = p
+                    if not p.draft_len and shared is not None:
+                        shared[p.mode, batch] = p
             self.peak.record(batch)
         return passes, adaptive
 

@@ -23,6 +23,10 @@ from draftsmith.eval.decoding import Pass
 from draftsmith.eval.settings import EvalSettings
 from draftsmith.eval.stats import paired_ratio_change, percentile
 
+# A percentile bootstrap over fewer prompts than this is no confidence interval (over 2 prompts it spans little
+# more than their two ratios): such a category keeps its figures but gets no slower / faster verdict.
+MIN_PROMPTS_FOR_VERDICT = 5
+
 
 def speed_row(decoded: Pass, plain: Pass | None) -> dict:
     seconds, tokens = decoded.seconds, decoded.tokens
@@ -66,8 +70,10 @@ def by_category(decoded: Pass, plain: Pass, categories: list[str], settings: Eva
     """Speedup of a batch-size-1 pass over plain decoding of the same prompts, over all prompts and per
     category: tokens/s summed per side (tokens over seconds, prefill included), with a CI from resampling
     prompts jointly on both sides. A category is `slower` only when its whole CI lies below 1, `faster`
-    when it lies above; in between the prompts cannot tell it from plain decoding. Each prompt is decoded
-    once per side, so the CI holds the timing noise only as far as it differs from prompt to prompt."""
+    when it lies above; in between the prompts cannot tell it from plain decoding, and with fewer than
+    MIN_PROMPTS_FOR_VERDICT prompts there is no verdict. Each prompt is decoded once per side (the sides
+    taking turns, decoding.decode_passes), so the CI holds the timing noise only as far as it differs from
+    prompt to prompt."""
     assert decoded.batch_size == plain.batch_size == 1, "per-prompt timings need batch-size-1 passes"
     by_index = {t.index: t for t in plain.traces}
     units = [(categories[t.index] or "(none)", by_index[t.index].stats, t.stats) for t in decoded.traces]
@@ -81,12 +87,14 @@ def by_category(decoded: Pass, plain: Pass, categories: list[str], settings: Eva
                                      [s.new_tokens for _, _, s in rows], [s.total_s for _, _, s in rows],
                                      resamples=settings.bootstrap, confidence=settings.confidence, seed=seed)
         low, high = (1 + v for v in change["relative_ci"])
+        verdict = ("too few prompts" if len(rows) < MIN_PROMPTS_FOR_VERDICT else "slower" if high < 1
+                   else "faster" if low > 1 else "not told apart")
         out[name] = {"prompts": len(rows), "plain_tokens_per_s": change["old"], "tokens_per_s": change["new"],
-                     "speedup": 1 + change["relative"], "speedup_ci": [low, high],
-                     "verdict": "slower" if high < 1 else "faster" if low > 1 else "not told apart"}
+                     "speedup": 1 + change["relative"], "speedup_ci": [low, high], "verdict": verdict}
     return {"mode": decoded.mode, "decoder": decoded.decoder, "draft_len": decoded.draft_len,
             "all": out.pop("all"), "categories": out,
-            "slower": [name for name, c in out.items() if c["verdict"] == "slower"]}
+            "slower": [name for name, c in out.items() if c["verdict"] == "slower"],
+            "too_few_prompts": [name for name, c in out.items() if c["verdict"] == "too few prompts"]}
 
 
 def _time_split(decoded: Pass) -> dict:

@@ -15,6 +15,7 @@ from draftsmith.speculative.generate import SpeculativeDecoder
 from draftsmith.speculative.loading import load_model
 from draftsmith.speculative.verify import verify_native
 from draftsmith.speculative.options import DecodeOptions
+from draftsmith.speculative.sampling import SamplingParams
 
 
 def accept_everything(logits, tokens, lens, probs, temperature, top_k, top_p, accept_u, race_exp):
@@ -81,14 +82,13 @@ def test_drafters_share_one_plain_pass(target, prompts, models, monkeypatch):
     from draftsmith.speculative.errors import InvalidInputError
 
     plain_decodes = []
-    original = eval_run.decode_pass
+    original = eval_run.decode_passes
 
-    def counting(decoder, *args, **kwargs):
-        if decoder.proposer is None:
-            plain_decodes.append(args[2])  # the mode
-        return original(decoder, *args, **kwargs)
+    def counting(systems, *args, **kwargs):
+        plain_decodes.extend(s.mode for s in systems if s.decoder.proposer is None)
+        return original(systems, *args, **kwargs)
 
-    monkeypatch.setattr(eval_run, "decode_pass", counting)
+    monkeypatch.setattr(eval_run, "decode_passes", counting)
     shared = PlainPasses()
     first = evaluate(target, str(models / "random"), prompts, small(), progress=False, plain_passes=shared)
     second = evaluate(target, "ngram", prompts, small(), progress=False, plain_passes=shared)
@@ -123,12 +123,22 @@ def test_sibling_leaves_are_recorded_and_exact(target, prompts, models):
     assert report.data["exactness"]["passed"]
 
 
-def test_adaptive_row_decodes_as_generate_does_and_is_checked(target, prompts, models, machine_cache):
+def test_adaptive_row_decodes_as_generate_does_and_is_checked(target, prompts, models, machine_cache, monkeypatch):
     """The adaptive row (generate's and serve's default) is decoded, checked against plain greedy, scored
     and timed per category; its costs are measured by its untimed warm-up. adaptive_draft_len=0 drops it."""
+    seen = []
+    original = SpeculativeDecoder.generate
+
+    def spying(self, prompts, sampling=SamplingParams(), options=DecodeOptions(), **kwargs):
+        seen.append((options.draft_len, options.adaptive))
+        return original(self, prompts, sampling, options, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spying)
     report = evaluate(target, str(models / "copy"), prompts, small(adaptive_draft_len=3), progress=False).data
+    # warm-ups, then each prompt by plain, D=2 and adaptive up to 3 in turn
+    assert seen.count((3, True)) == 1 + len(prompts) and seen.count((2, False)) == 1 + len(prompts)
     (row,) = [v for v in report["speed"] if v["decoder"] == "adaptive"]
-    assert row["draft_len"] == 3 and row["speedup"] > 0 and 0 < row["mean_draft_len"] <= 3
+    assert row["draft_len"] == 3 and row["speedup"] > 0 and 0 <= row["mean_draft_len"] <= 3
     check = next(c for c in report["exactness"]["greedy"]["checks"] if c["decoder"] == "adaptive")
     assert check["identical"] == len(prompts) and report["exactness"]["passed"]
     assert any(q["decoder"] == "adaptive" and q["identical_to_plain"] == len(prompts) for q in report["quality"])

@@ -72,3 +72,38 @@ def test_report_names_the_slower_categories_of_the_default():
 def test_adaptive_draft_len_must_be_a_count(value):
     with pytest.raises(InvalidInputError, match="--adaptive-draft-len"):
         EvalSettings(adaptive_draft_len=value)
+
+
+def test_systems_take_turns_on_each_batch_of_prompts_in_rotating_order(monkeypatch):
+    """decode_passes: every system decodes batch k before any decodes batch k + 1, the first to go rotating,
+    and each pass still holds its own traces in prompt order."""
+    from draftsmith.eval import decoding
+
+    calls = []
+
+    def fake_decode_batch(decoder, prompts, indices, settings, mode, draft_len, adaptive):
+        calls.append((draft_len, adaptive, indices))
+        traces = [Trace(i, [draft_len], "length") for i in indices]
+        return traces, DecodeStats(draft_len=draft_len, new_tokens=len(indices), total_s=1.0)
+
+    monkeypatch.setattr(decoding, "decode_batch", fake_decode_batch)
+    systems = [decoding.System(None, "greedy", 0), decoding.System(None, "greedy", 2),
+               decoding.System(None, "greedy", 4, adaptive=True)]
+    passes = decoding.decode_passes(systems, [[1]] * 5, EvalSettings(), batch_size=2)
+    assert calls == [(0, False, [0, 1]), (2, False, [0, 1]), (4, True, [0, 1]),
+                     (2, False, [2, 3]), (4, True, [2, 3]), (0, False, [2, 3]),
+                     (4, True, [4]), (0, False, [4]), (2, False, [4])]
+    assert [(p.draft_len, p.adaptive, p.decoder) for p in passes] == [
+        (0, False, "plain"), (2, False, "speculative"), (4, True, "adaptive")]
+    assert all([t.index for t in p.traces] == [0, 1, 2, 3, 4] and len(p.calls) == 3 for p in passes)
+
+
+def test_a_category_of_few_prompts_gets_no_verdict():
+    plain, spec = plain_and_spec()
+    keep = [i for i, c in enumerate(CATEGORIES) if c != "slow" or i % 6 < 3]  # 3 "slow" prompts left
+    for p in (plain, spec):
+        p.traces = [p.traces[i] for i in keep]
+    result = by_category(spec, plain, CATEGORIES, EvalSettings(), seed=0)
+    assert result["categories"]["slow"]["verdict"] == "too few prompts" and result["slower"] == []
+    assert result["too_few_prompts"] == ["slow"] and result["categories"]["slow"]["speedup"] < 1
+    assert "too few prompts to tell in 1 of 3 categories: slow" in markdown.slower_line(result)
