@@ -39,7 +39,9 @@ def register(sub) -> None:
                    help="evaluate a drafter trained for another target (implied by --baseline)")
     p.add_argument("--prompts", help="prompt file (.jsonl/.json/.parquet/.csv), saved dataset directory, "
                                      "builtin:NAME (a set shipped with draftsmith, e.g. builtin:vicuna_bench) "
-                                     "or hf:NAME[:CONFIG][@SPLIT] (datasets.load_dataset: a hub id or local dataset)")
+                                     "or hf:NAME[:CONFIG][@SPLIT] (datasets.load_dataset: a hub id or local dataset); "
+                                     "a comma list of them is read as one set (e.g. "
+                                     "builtin:vicuna_bench,builtin:unlike_training)")
     p.add_argument("--prompt-column", help="the column holding the prompt text (default: inferred)")
     p.add_argument("--modes", help="comma list of greedy, sample:T[:P[:K]] (default greedy)")
     p.add_argument("--draft-lens", help="comma list of draft lengths D (default 1,2,4,8)")
@@ -58,7 +60,7 @@ def register(sub) -> None:
                         "taken (its probability times the chain's before it) is at least this (default 0)")
     p.add_argument("--batch-sizes", help="comma list of batch sizes for the speed figures (default 1)")
     p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--limit", type=int, help="evaluate the first N prompts only")
+    p.add_argument("--limit", type=int, help="evaluate the first N prompts only (of each source, with several)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="render prompts with the chat template (default: on)")
     p.add_argument("--seed", type=int)
@@ -78,7 +80,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draftsmith.data.prompts import ColumnMap, load_conversations
+    from draftsmith.data.prompts import ColumnMap, load_prompt_sets
     from draftsmith.eval.report import prepare_out_dir
     from draftsmith.eval.verdict import load_baseline
     from draftsmith.speculative.loading import load_model
@@ -91,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("eval needs --prompts FILE")
     out_dir = prepare_out_dir(args.out or Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}",
                               overwrite=args.overwrite)
-    check_not_empty(Path(settings.prompts_path).expanduser())
-    prompts = load_conversations(settings.prompts_path, ColumnMap(prompt=settings.prompt_column), limit=settings.limit)
+    for source in settings.prompts_path.split(","):
+        check_not_empty(Path(source.strip()).expanduser())
+    prompts = load_prompt_sets(settings.prompts_path, ColumnMap(prompt=settings.prompt_column), limit=settings.limit)
     device = resolve_device(args.device)
     target = load_model(args.target, device=device, dtype=resolve_dtype(args.dtype, device))
 

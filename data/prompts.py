@@ -109,6 +109,25 @@ def load_conversations(
     return mapped
 
 
+def load_prompt_sets(spec: str, columns: ColumnMap | None = None, *, limit: int | None = None) -> datasets.Dataset:
+    """One prompt source, or a comma list of them (`builtin:vicuna_bench,builtin:unlike_training`: an eval
+    set with every category of both), each read by `load_conversations` (`limit`: the first N of each) and
+    concatenated in order. With several sources each id is prefixed with its source (`builtin:vicuna_bench/12`),
+    so ids stay unique across them."""
+    sources = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if not sources:
+        raise InvalidInputError("no prompt source given")
+    if len(sources) == 1:
+        return load_conversations(sources[0], columns, limit=limit)
+    if len(set(sources)) < len(sources):
+        raise InvalidInputError(f"a prompt source is named twice in '{spec}'")
+    parts = []
+    for source in sources:
+        part = load_conversations(source, columns, limit=limit)
+        parts.append(part.map(lambda row: {"id": f"{source}/{row['id']}"}))
+    return datasets.concatenate_datasets(parts)
+
+
 def to_conversations(table: datasets.Dataset | datasets.IterableDataset, columns: ColumnMap | None, path,
                      *, all_turns: bool = False) -> datasets.Dataset | datasets.IterableDataset:
     """`table`'s records in the conversation shape (an IterableDataset is mapped as it is read);

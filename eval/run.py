@@ -2,8 +2,9 @@
 
 The order of the work, per mode (and per D of the sweep):
 
-    1. batch-size-1 passes: plain decoding, then speculative decoding at each D, then the adaptive
-       draft length up to `adaptive_draft_len` (the default of `generate` and `serve`). Per-prompt
+    1. batch-size-1 passes: plain decoding, speculative decoding at each D and the adaptive draft length
+       up to `adaptive_draft_len` (the default of `generate` and `serve`), taking turns on each prompt
+       (decoding.decode_passes: a drifting machine slows them alike). Per-prompt
        acceptance, greedy exactness, quality and the batch-size-1 speed figures (overall and per prompt
        category) all come from these passes; the acceptance figures need them because DecodeStats
        aggregate over the rows of a batch, and come from the fixed-D passes only.

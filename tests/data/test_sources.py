@@ -137,3 +137,21 @@ def test_streaming_reads_the_head_in_resumable_shards(dataset_repo, tmp_path, ca
 
     with pytest.raises(InvalidInputError, match="other settings"):
         stream_conversations(spec, run, QUERY, limit=10, shuffle_seed=3, buffer_size=8, shard_size=5, progress=False)
+
+
+def test_a_comma_list_of_sources_reads_as_one_set_with_unique_ids(tmp_path):
+    from draftsmith.data.prompts import load_prompt_sets
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"id": str(i), "category": "mine", "prompt": f"q{i}"}) + "\n" for i in range(3)))
+    both = load_prompt_sets(f"builtin:unlike_training,{path}", limit=2)
+    assert len(both) == 4  # the first 2 of each
+    assert both["id"][:2] == [f"builtin:unlike_training/{i}" for i in load_conversations("builtin:unlike_training",
+                                                                                          limit=2)["id"]]
+    assert both["id"][2:] == [f"{path}/0", f"{path}/1"] and both["category"][2:] == ["mine", "mine"]
+    assert both["messages"][3] == [{"role": "user", "content": "q1"}]
+    assert load_prompt_sets(str(path))["id"] == ["0", "1", "2"]  # one source: its own ids
+    with pytest.raises(InvalidInputError, match="named twice"):
+        load_prompt_sets(f"{path},{path}")
+    with pytest.raises(InvalidInputError):
+        load_prompt_sets(f"{path},{tmp_path / 'absent.jsonl'}")
