@@ -330,6 +330,14 @@ class _Run:
         p = self.proposer
         return p is not None and (p.needs_target_hidden or p.needs_target_states)
 
+    def captured(self, wanted: bool) -> list[int] | bool:
+        """What a target pass asks Transformers to keep of its hidden states: the proposer's layers only
+        (the rest come back as None), not every layer's: keeping all of them alive cost SmolLM2's prefill
+        over a 672-token prompt about 7% on an AMD EPYC (fresh memory for 31 states instead of reused).
+        Indices count as in the full tuple from transformers 5.25 on (pyproject pins it; 5.20 counted a
+        selection from the first layer's output, one lower: tests/speculative/test_kv.py checks it)."""
+        return list(self.proposer.target_layers) if wanted else False
+
     def states(self, hidden_states) -> torch.Tensor:
         """The proposer's target states from a pass's `hidden_states`: its layers, concatenated."""
         layers = self.proposer.target_layers
@@ -381,7 +389,7 @@ class _Run:
         states = [torch.zeros(0, 0, device=self.d.device) for _ in context]
         if max(len(c) for c in context) > 0:
             tokens, valid = left_pad(context, self.d.device)
-            out = kv.forward(tokens, valid, logits_to_keep=1, output_hidden_states=wants_states)
+            out = kv.forward(tokens, valid, logits_to_keep=1, output_hidden_states=self.captured(wants_states))
             if bool(torch.isnan(out.logits).any()):  # once per prefill: a broken target shows here
                 raise NumericalError("the target produced NaN logits; check the model weights and dtype")
             if wants_states:
@@ -445,7 +453,7 @@ class _Run:
         if self.leaves is not None:
             tokens, valid, tree = self.leaves.attach(tokens, valid)
         wants = self.wants_states()
-        out = self.target_kv.forward(tokens, valid, output_hidden_states=wants, tree=tree)
+        out = self.target_kv.forward(tokens, valid, output_hidden_states=self.captured(wants), tree=tree)
         return out.logits, (self.states(out.hidden_states) if wants else None)
 
     @_timed("verify_s")

@@ -48,7 +48,7 @@ class KVState:
         valid: torch.Tensor,  # [B, T] bool
         *,
         logits_to_keep: int = 0,  # 0 = logits for all T slots
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | list[int] = False,  # a list: only those indices (the others None)
         tree: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T] depth, [T, T] bool sees), see tree.py
         **model_inputs,  # further per-slot inputs of the model (an EAGLE drafter's features)
     ):

@@ -200,3 +200,22 @@ def test_rows_leave_a_cache_that_holds_no_slot(model):
     assert all(layer.keys.shape[0] == 1 for layer in state.cache.layers if layer.is_initialized)
     logits = state.forward(*left_padded([[7, 8]])).logits
     torch.testing.assert_close(logits[0, -1], fresh(model, [7, 8])[1][-1], **LOGITS_TOL)
+
+
+def test_a_pass_keeps_only_the_hidden_states_it_is_asked_for():
+    """`output_hidden_states=[...]` (what the decoder asks for: its proposer's layers) gives the same
+    tensors at those indices as keeping every layer's, negative indices included, and None elsewhere."""
+    from draftsmith.speculative.kv import KVState
+    from draftsmith.speculative.proposers import left_pad
+    from draftsmith.speculative.tiny import tiny_model
+
+    model = tiny_model(0, num_layers=4).eval()
+    tokens, valid = left_pad([[1, 5, 9, 12, 7], [3, 4]], "cpu")
+    with torch.inference_mode():
+        every = KVState(model, 2, torch.device("cpu")).forward(tokens, valid, output_hidden_states=True)
+        some = KVState(model, 2, torch.device("cpu")).forward(tokens, valid, output_hidden_states=[1, 3, -1])
+    assert len(some.hidden_states) == len(every.hidden_states) == 5
+    for i in (1, 3, 4):
+        assert torch.equal(some.hidden_states[i], every.hidden_states[i])
+    assert some.hidden_states[0] is None and some.hidden_states[2] is None
+    assert torch.equal(some.logits, every.logits)
