@@ -81,7 +81,8 @@ def teacher_forward(
     hidden is `hidden_states[-1]`, which in transformers 5 is the final-norm output: lm_head(hidden)
     == logits. no_grad rather than inference_mode, so the outputs may be saved for a student's backward.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=want_hidden)
+    # Only the state it returns is kept (transformers >= 5.25 selects by index), not every layer's.
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=[-1] if want_hidden else False)
     return out.logits, (out.hidden_states[-1] if want_hidden else None)
 
 
@@ -620,7 +621,8 @@ def teacher_states(
     """The target's last hidden states (the final-norm output, `teacher_forward`'s hidden) without its
     logits: lm_head(states) are the logits, as the online teacher computes them (train/loop.py); and the
     states entering `layers` (`hidden_states[i]`), concatenated, when any are asked for."""
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(layers))
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                              output_hidden_states=list(layers) if layers else False)  # those states only
     inner = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
     return out.last_hidden_state, inner
 

@@ -290,7 +290,8 @@ class Teacher:
             parts = [hidden if i == -1 else stored[..., cache.state_columns(i)] for i in layers]
             return torch.cat(parts, dim=-1).to(self.target.model.dtype)
         decoder = self.target.model.get_decoder()
-        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+        out = decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                      output_hidden_states=list(layers))  # those states only, not every layer's
         return torch.cat([out.hidden_states[i] for i in layers], dim=-1)
 
     @torch.no_grad()
