@@ -80,7 +80,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from draftsmith.data.prompts import ColumnMap, load_prompt_sets
+    from draftsmith.data.prompts import ColumnMap, load_prompt_sets, prompt_sources
     from draftsmith.eval.report import prepare_out_dir
     from draftsmith.eval.verdict import load_baseline
     from draftsmith.speculative.loading import load_model
@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("eval needs --prompts FILE")
     out_dir = prepare_out_dir(args.out or Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}",
                               overwrite=args.overwrite)
-    for source in settings.prompts_path.split(","):
-        check_not_empty(Path(source.strip()).expanduser())
+    for source in prompt_sources(settings.prompts_path):
+        check_not_empty(Path(source).expanduser())
     prompts = load_prompt_sets(settings.prompts_path, ColumnMap(prompt=settings.prompt_column), limit=settings.limit)
     device = resolve_device(args.device)
     target = load_model(args.target, device=device, dtype=resolve_dtype(args.dtype, device))
@@ -142,7 +142,7 @@ def parse_list(flag: str, text: str, kind: type) -> list:
 
 
 def summary(r: dict, report_path: Path) -> str:
-    from draftsmith.eval.markdown import slower_line
+    from draftsmith.eval.markdown import draft_label, slower_line
 
     lines = [f"report: {report_path}"]
     for a in r["acceptance"]:
@@ -150,12 +150,11 @@ def summary(r: dict, report_path: Path) -> str:
                      f"[{a['al_ci'][0]:.2f}, {a['al_ci'][1]:.2f}] (predicted {a['predicted_al']:.2f})")
     for v in r["speed"]:
         if v["decoder"] != "plain":
-            d = f"adaptive D<={v['draft_len']}" if v["decoder"] == "adaptive" else f"D={v['draft_len']}"
-            lines.append(f"{v['mode']} B={v['batch_size']} {d}: {v['tokens_per_s']:.1f} tok/s, "
+            lines.append(f"{v['mode']} B={v['batch_size']} {draft_label(v)}: {v['tokens_per_s']:.1f} tok/s, "
                          f"speedup {v.get('speedup', float('nan')):.2f}x")
     for c in r.get("speed_by_category") or []:
         if c["decoder"] == "adaptive" and c["categories"]:
-            lines.append(f"{c['mode']} adaptive D<={c['draft_len']} per category "
+            lines.append(f"{c['mode']} {draft_label(c)} per category "
                          f"({r['settings']['confidence']:.0%} CI): {slower_line(c)}")
     e = r["exactness"]
     if e["greedy"] is not None:

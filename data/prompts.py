@@ -109,12 +109,17 @@ def load_conversations(
     return mapped
 
 
+def prompt_sources(spec: str) -> list[str]:
+    """The sources a `--prompts` value names: one, or a comma list."""
+    return [s.strip() for s in str(spec).split(",") if s.strip()]
+
+
 def load_prompt_sets(spec: str, columns: ColumnMap | None = None, *, limit: int | None = None) -> datasets.Dataset:
     """One prompt source, or a comma list of them (`builtin:vicuna_bench,builtin:unlike_training`: an eval
     set with every category of both), each read by `load_conversations` (`limit`: the first N of each) and
     concatenated in order. With several sources each id is prefixed with its source (`builtin:vicuna_bench/12`),
     so ids stay unique across them."""
-    sources = [s.strip() for s in str(spec).split(",") if s.strip()]
+    sources = prompt_sources(spec)
     if not sources:
         raise InvalidInputError("no prompt source given")
     if len(sources) == 1:

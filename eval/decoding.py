@@ -1,9 +1,10 @@
 """Decoding passes with per-prompt bookkeeping: what every figure of the evaluation is computed from.
 
 A *pass* decodes every prompt once with one decoder (speculative at draft length D, or plain: D = 0;
-an adaptive pass drafts up to D, as its acceptance pays for), one mode and one batch size. Per-prompt acceptance figures come only from batch-size-1 passes, where
-each `generate` call's DecodeStats belong to one prompt; batched passes feed the speed figures (and
-the greedy exactness check), because DecodeStats aggregate the rows of a batch.
+an adaptive pass drafts up to D, as its acceptance pays for), one mode and one batch size. Per-prompt
+acceptance figures come only from batch-size-1 passes, where each `generate` call's DecodeStats belong to
+one prompt; batched passes feed the speed figures (and the greedy exactness check), because DecodeStats
+aggregate the rows of a batch.
 
 Emission times: `on_emit` stamps each call with time.perf_counter(). The tokens of one call (one
 round of one row) arrive together; `Trace.token_gaps` spreads the wait since the previous emission

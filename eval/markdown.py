@@ -67,7 +67,7 @@ def _exactness(r: dict) -> list[str]:
                    f"({g['errors']} errors, {g['near_ties']} near-ties within {g['tie_tolerance']:g} logits): "
                    f"{'pass' if g['passed'] else 'FAIL'}.")
         for d in g["divergences"]:
-            out.append(f"- prompt {d['prompt_id']} ({_draft(d)}, B={d['batch_size']}): first difference at "
+            out.append(f"- prompt {d['prompt_id']} ({draft_label(d)}, B={d['batch_size']}): first difference at "
                        f"token {d['position']}, plain {d['plain_token']} vs {d['got_token']}, target margin "
                        f"{d['margin']:.3g} -> {d['kind']}")
     for f in e["sampling"]:
@@ -119,7 +119,7 @@ def _speed_by_category(r: dict, s: dict) -> list[str]:
     for mode in dict.fromkeys(row["mode"] for row in rows):
         columns = [row for row in rows if row["mode"] == mode]
         names = ["all", *columns[0]["categories"]]
-        out += [f"| {mode}: category | prompts | plain tok/s | " + " | ".join(_draft(c) for c in columns) + " |",
+        out += [f"| {mode}: category | prompts | plain tok/s | " + " | ".join(draft_label(c) for c in columns) + " |",
                 "|---|---|---|" + "---|" * len(columns)]
         for name in names:
             cells = [c["all"] if name == "all" else c["categories"][name] for c in columns]
@@ -127,7 +127,7 @@ def _speed_by_category(r: dict, s: dict) -> list[str]:
                        + " | ".join(_speedup_cell(cell) for cell in cells) + " |")
         for c in columns:
             if c["decoder"] == "adaptive":
-                out += ["", f"{mode}, {_draft(c)} (the default): {slower_line(c)}."]
+                out += ["", f"{mode}, {draft_label(c)} (the default): {slower_line(c)}."]
         out.append("")
     return out
 
@@ -147,8 +147,8 @@ def _speedup_cell(cell: dict) -> str:
     return f"{cell['speedup']:.2f}x [{_num(low, 2)}, {_num(high, 2)}]{mark}"
 
 
-def _draft(row: dict) -> str:
-    """How a row names its draft length: D=4, or adaptive D<=4."""
+def draft_label(row: dict) -> str:
+    """How a report row (speed, speed_by_category, a divergence) names its draft length: D=4, or adaptive D<=4."""
     return f"adaptive D<={row['draft_len']}" if row.get("decoder") == "adaptive" else f"D={row['draft_len']}"
 
 
@@ -190,8 +190,8 @@ def _advice(r: dict) -> list[str]:
     for a in r["advice"]:
         m = a.get("adaptive")
         if m:
-            out.append(f"Measured, {a['mode']} B={a['batch_size']}: the adaptive draft length (up to D={m['max_draft_len']}) "
-                       f"{m['tokens_per_s']:.1f} tokens/s, {_num(m['speedup'], 2)}x plain, "
+            out.append(f"Measured, {a['mode']} B={a['batch_size']}: the adaptive draft length "
+                       f"(up to D={m['max_draft_len']}) {m['tokens_per_s']:.1f} tokens/s, {_num(m['speedup'], 2)}x plain, "
                        f"{_num(m['vs_best_fixed'], 2)}x the best fixed D of the sweep.")
     return out + [""]
 

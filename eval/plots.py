@@ -11,6 +11,8 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from draftsmith.eval.markdown import draft_label
+
 FILES = {
     "al_histogram": "al_histogram.png",
     "position_acceptance": "position_acceptance.png",
@@ -80,7 +82,7 @@ def speed_vs_draft_len(report: dict) -> Figure:
     for g, ((mode, batch), rows) in enumerate(groups.items()):
         for row in (r for r in rows if r["decoder"] == "adaptive"):
             rate_ax.axhline(row["tokens_per_s"], linestyle=":", color=f"C{g % 10}",
-                            label=f"{mode}, B={batch}, adaptive D<={row['draft_len']}")
+                            label=f"{mode}, B={batch}, {draft_label(row)}")
         rows = sorted((r for r in rows if r["decoder"] != "adaptive"), key=lambda r: r["draft_len"])
         xs = [r["draft_len"] for r in rows]
         label, color = f"{mode}, B={batch}", f"C{g % 10}"
